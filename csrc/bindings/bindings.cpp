@@ -1,0 +1,115 @@
+// The only translation unit that includes torch/extension.h: Python bindings
+// of the flatshard runtime as `flatshard._C`. Bindings that can block release
+// the GIL.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/extension.h>
+
+#include "flatshard/collectives.h"
+#include "flatshard/flat_param.h"
+#include "flatshard/layout.h"
+#include "flatshard/rate_limiter.h"
+#include "flatshard/scheduler.h"
+
+namespace py = pybind11;
+using flatshard::FlatParam;
+using flatshard::FlatParamLayout;
+using flatshard::Scheduler;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "flatshard runtime: flat parameter layout and storage, collective scheduler";
+
+  py::class_<FlatParamLayout>(m, "FlatParamLayout",
+                              "Offsets, padding and shard ranges of one unit's flat parameter "
+                              "(see [Note: Flat parameter layout] in csrc/flatshard/layout.h).")
+      .def(py::init<std::vector<std::vector<std::int64_t>>, std::int64_t, std::int64_t>(),
+           py::arg("shapes"), py::arg("shard_factor"), py::arg("alignment") = 1)
+      .def_property_readonly("num_params", &FlatParamLayout::num_params)
+      .def_property_readonly("shapes", &FlatParamLayout::shapes)
+      .def_property_readonly("numels", &FlatParamLayout::numels)
+      .def_property_readonly("offsets", &FlatParamLayout::offsets)
+      .def_property_readonly("shard_factor", &FlatParamLayout::shard_factor)
+      .def_property_readonly("alignment", &FlatParamLayout::alignment)
+      .def_property_readonly("unpadded_numel", &FlatParamLayout::unpadded_numel)
+      .def_property_readonly("padded_numel", &FlatParamLayout::padded_numel)
+      .def_property_readonly("padding_numel", &FlatParamLayout::padding_numel)
+      .def_property_readonly("total_padding_numel", &FlatParamLayout::total_padding_numel)
+      .def_property_readonly("shard_numel", &FlatParamLayout::shard_numel)
+      .def("shard_range", &FlatParamLayout::shard_range, py::arg("rank"))
+      .def(
+          "shard_slices",
+          [](const FlatParamLayout& self, std::int64_t rank) {
+            std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>> out;
+            for (const auto& s : self.shard_slices(rank)) {
+              out.emplace_back(s.param_index, s.offset_in_param, s.offset_in_shard, s.numel);
+            }
+            return out;
+          },
+          py::arg("rank"),
+          "[(param_index, offset_in_param, offset_in_shard, numel)] for rank's shard");
+
+  m.def(
+      "flatten",
+      [](const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout) {
+        TORCH_CHECK(!tensors.empty(), "flatshard.flatten: expected at least one tensor");
+        return FlatParam::flatten(tensors, layout, tensors.front().options());
+      },
+      py::arg("tensors"), py::arg("layout"));
+  m.def("views_of", &FlatParam::views_of, py::arg("flat"), py::arg("layout"));
+
+  py::enum_<flatshard::ShardedState>(m, "ShardedState")
+      .value("SHARDED", flatshard::ShardedState::kSharded)
+      .value("UNSHARDING", flatshard::ShardedState::kUnsharding)
+      .value("UNSHARDED", flatshard::ShardedState::kUnsharded);
+
+  py::class_<FlatParam>(m, "FlatParam", "One unit's storage: local shard and unsharded buffer.")
+      .def(py::init<std::string, FlatParamLayout, std::int64_t, const std::vector<at::Tensor>&>(),
+           py::arg("name"), py::arg("layout"), py::arg("rank"), py::arg("params"))
+      .def_property("name", &FlatParam::name, &FlatParam::set_name)
+      .def_property_readonly("layout", &FlatParam::layout)
+      .def_property_readonly("rank", &FlatParam::rank)
+      .def_property_readonly("local_shard", &FlatParam::local_shard)
+      .def("set_local_shard", &FlatParam::set_local_shard, py::arg("param"))
+      .def_property_readonly("unsharded", &FlatParam::unsharded)
+      .def_property_readonly("state", &FlatParam::state)
+      .def("views", &FlatParam::views)
+      .def_property_readonly("placeholder_views", &FlatParam::placeholder_views)
+      .def("has_unsharded_storage", &FlatParam::has_unsharded_storage)
+      .def_property_readonly("unsharded_nbytes", &FlatParam::unsharded_nbytes);
+
+  py::class_<Scheduler>(m, "Scheduler", "Stream-ordered collectives shared by the units of one root.")
+      .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
+                       std::int64_t max_in_flight) {
+             return std::make_unique<Scheduler>(flatshard::Collectives(group), device, max_in_flight);
+           }),
+           py::arg("process_group"), py::arg("device"), py::arg("max_in_flight_all_gathers"))
+      .def_property_readonly("rank", &Scheduler::rank)
+      .def_property_readonly("world_size", &Scheduler::world_size)
+      .def_property_readonly("has_events", &Scheduler::has_events)
+      .def("unshard", &Scheduler::unshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
+      .def("wait_for_unshard", &Scheduler::wait_for_unshard, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("reshard", &Scheduler::reshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reduce_grad",
+          [](Scheduler& self, FlatParam& unit, const std::vector<std::optional<at::Tensor>>& grads,
+             double divide_factor) {
+            // None (a parameter that got no gradient) becomes an undefined tensor: zeros.
+            std::vector<at::Tensor> defined;
+            defined.reserve(grads.size());
+            for (const auto& g : grads) defined.push_back(g.has_value() ? *g : at::Tensor());
+            py::gil_scoped_release no_gil;
+            self.reduce_grad(unit, std::move(defined), divide_factor);
+          },
+          py::arg("unit"), py::arg("grads"), py::arg("divide_factor"))
+      .def("finish_grad_sync", &Scheduler::finish_grad_sync, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("pending_reductions", &Scheduler::pending_reductions)
+      .def_property_readonly("pending_all_gathers", &Scheduler::pending_all_gathers)
+      .def_property_readonly("limiter_stalls",
+                             [](const Scheduler& s) { return s.limiter().stalls(); });
+
+  m.def("unsharded_bytes", &flatshard::MemoryCounter::unsharded_bytes,
+        "Bytes of unsharded buffers alive in this process.");
+  m.def("peak_unsharded_bytes", &flatshard::MemoryCounter::peak_unsharded_bytes,
+        "Peak of unsharded_bytes() since the last reset_peak_unsharded_bytes().");
+  m.def("reset_peak_unsharded_bytes", &flatshard::MemoryCounter::reset_peak);
+}

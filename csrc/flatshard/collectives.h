@@ -1,0 +1,65 @@
+#pragma once
+// The one place that calls c10d. Everything else sees `Collectives` and
+// `CommWork`, so c10d's heavy headers stay in collectives.cpp and the bindings.
+//
+// Contract: Collectives is movable, not copyable, not thread-safe; it shares
+// ownership of the process group it was given (never creates one).
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace flatshard {
+
+// A collective in flight. wait() blocks the host until the result is usable
+// on the current stream (gloo), or makes the current stream wait for it
+// without blocking the host (NCCL). Safe to call twice; throws c10::Error if
+// the collective failed or timed out.
+class CommWork {
+ public:
+  CommWork() = default;
+  CommWork(std::function<void()> wait, std::function<bool()> is_completed)
+      : wait_(std::move(wait)), is_completed_(std::move(is_completed)) {}
+  bool defined() const { return static_cast<bool>(wait_); }
+  void wait();
+  bool is_completed() const { return !wait_ || waited_ || is_completed_(); }
+
+ private:
+  std::function<void()> wait_;
+  std::function<bool()> is_completed_;
+  bool waited_ = false;
+};
+
+class Collectives {
+ public:
+  explicit Collectives(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  ~Collectives();
+  Collectives(Collectives&&) noexcept;
+  Collectives& operator=(Collectives&&) noexcept;
+
+  std::int64_t rank() const;
+  std::int64_t size() const;
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const;
+
+  // Every rank's `input` (same numel) into `output` (size() * input.numel()),
+  // rank-major, on the current stream. Non-blocking.
+  CommWork all_gather(at::Tensor& output, at::Tensor& input);
+  // SUM over ranks of `input` (size() * output.numel()), chunk r to rank r.
+  // Non-blocking. Callers divide explicitly: gloo's AVG is not trustworthy here.
+  CommWork reduce_scatter_sum(at::Tensor& output, at::Tensor& input);
+  // SUM over ranks, in place. Non-blocking.
+  CommWork all_reduce_sum(at::Tensor& tensor);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flatshard

@@ -1,0 +1,156 @@
+#include "flatshard/flat_param.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace flatshard {
+namespace {
+
+std::atomic<std::int64_t> g_unsharded_bytes{0};
+std::atomic<std::int64_t> g_peak_unsharded_bytes{0};
+
+// Resizes a storage in place, keeping every tensor that aliases it valid (see
+// [Note: Unsharded storage]). Contents are not preserved.
+void resize_storage(c10::StorageImpl* storage, std::size_t nbytes) {
+  if (nbytes == 0) {
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  } else {
+    TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr, "flatshard: storage has no allocator");
+    storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  }
+  storage->set_nbytes(nbytes);
+}
+
+std::string shape_str(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+}  // namespace
+
+std::int64_t MemoryCounter::unsharded_bytes() { return g_unsharded_bytes.load(); }
+std::int64_t MemoryCounter::peak_unsharded_bytes() { return g_peak_unsharded_bytes.load(); }
+void MemoryCounter::reset_peak() { g_peak_unsharded_bytes.store(g_unsharded_bytes.load()); }
+void MemoryCounter::add(std::int64_t bytes) {
+  const std::int64_t now = g_unsharded_bytes.fetch_add(bytes) + bytes;
+  std::int64_t peak = g_peak_unsharded_bytes.load();
+  while (now > peak && !g_peak_unsharded_bytes.compare_exchange_weak(peak, now)) {
+  }
+}
+
+at::Tensor FlatParam::flatten(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout,
+                              const at::TensorOptions& options) {
+  TORCH_CHECK(static_cast<std::int64_t>(tensors.size()) == layout.num_params(),
+              "flatshard.flatten: expected ", layout.num_params(), " tensors but got ",
+              tensors.size());
+  at::Tensor flat = at::empty({layout.padded_numel()}, options);
+  std::int64_t cursor = 0;  // first element not yet written
+  for (std::int64_t i = 0; i < layout.num_params(); ++i) {
+    const std::int64_t offset = layout.offsets()[i];
+    const std::int64_t numel = layout.numels()[i];
+    if (offset > cursor) flat.narrow(0, cursor, offset - cursor).zero_();
+    const at::Tensor& t = tensors[i];
+    if (numel > 0) {
+      at::Tensor slot = flat.narrow(0, offset, numel);
+      if (t.defined()) {
+        TORCH_CHECK(t.numel() == numel, "flatshard.flatten: tensor ", i, " has shape ",
+                    shape_str(t.sizes()), " but the layout expects ",
+                    shape_str(layout.shapes()[i]));
+        slot.copy_(t.reshape({numel}));
+      } else {
+        slot.zero_();
+      }
+    }
+    cursor = offset + numel;
+  }
+  if (layout.padded_numel() > cursor) {
+    flat.narrow(0, cursor, layout.padded_numel() - cursor).zero_();
+  }
+  return flat;
+}
+
+std::vector<at::Tensor> FlatParam::views_of(const at::Tensor& flat, const FlatParamLayout& layout) {
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() == layout.padded_numel(),
+              "flatshard.views_of: expected a 1-D tensor of ", layout.padded_numel(),
+              " elements but got shape ", shape_str(flat.sizes()));
+  std::vector<at::Tensor> views;
+  views.reserve(layout.num_params());
+  for (std::int64_t i = 0; i < layout.num_params(); ++i) {
+    views.push_back(flat.narrow(0, layout.offsets()[i], layout.numels()[i]).view(layout.shapes()[i]));
+  }
+  return views;
+}
+
+FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank,
+                     const std::vector<at::Tensor>& params)
+    : name_(std::move(name)), layout_(std::move(layout)), rank_(rank) {
+  TORCH_CHECK(!params.empty(), "flatshard: unit '", name_, "' has no parameters to flatten");
+  TORCH_CHECK(rank_ >= 0 && rank_ < layout_.shard_factor(), "flatshard: unit '", name_,
+              "': expected 0 <= rank < ", layout_.shard_factor(), " but got ", rank_);
+  const at::TensorOptions options = params.front().options().requires_grad(false);
+  {
+    // The full flat tensor lives only until the shard is cut from it.
+    const at::Tensor flat = flatten(params, layout_, options);
+    const auto [begin, end] = layout_.shard_range(rank_);
+    local_shard_ = flat.narrow(0, begin, end - begin).clone();
+  }
+  // Everything that aliases the buffer is made while it has storage (set_
+  // would grow an empty storage back), then the storage is dropped.
+  unsharded_ = at::empty({layout_.padded_numel()}, options);
+  placeholder_views_ = views_of(unsharded_, layout_);
+  all_gather_target_ = at::empty({0}, options);
+  all_gather_target_.set_(unsharded_.storage(), 0, {layout_.padded_numel()}, {1});
+  resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
+
+  set_name(name_);
+}
+
+void FlatParam::set_name(std::string name) {
+  name_ = std::move(name);
+  const std::string suffix = name_.empty() ? std::string() : " " + name_;
+  all_gather_range_ = "flatshard::all_gather" + suffix;
+  wait_range_ = "flatshard::wait_for_unshard" + suffix;
+  reduce_scatter_range_ = "flatshard::reduce_scatter" + suffix;
+  reshard_range_ = "flatshard::reshard" + suffix;
+}
+
+FlatParam::~FlatParam() {
+  if (unsharded_.defined()) free_unsharded();
+}
+
+void FlatParam::set_local_shard(const at::Tensor& param) {
+  TORCH_CHECK(param.defined() && param.is_alias_of(local_shard_) &&
+                  param.numel() == local_shard_.numel(),
+              "flatshard: unit '", name_,
+              "': set_local_shard expects the parameter made from local_shard()");
+  local_shard_ = param;
+}
+
+bool FlatParam::has_unsharded_storage() const { return unsharded_.storage().nbytes() > 0; }
+
+std::int64_t FlatParam::unsharded_nbytes() const {
+  return layout_.padded_numel() * static_cast<std::int64_t>(unsharded_.element_size());
+}
+
+void FlatParam::alloc_unsharded() {
+  if (has_unsharded_storage() || layout_.padded_numel() == 0) return;
+  resize_storage(unsharded_.storage().unsafeGetStorageImpl(),
+                 static_cast<std::size_t>(unsharded_nbytes()));
+  MemoryCounter::add(unsharded_nbytes());
+}
+
+void FlatParam::free_unsharded() {
+  if (!has_unsharded_storage()) return;
+  resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
+  MemoryCounter::add(-unsharded_nbytes());
+}
+
+}  // namespace flatshard

@@ -1,0 +1,120 @@
+#pragma once
+// FlatParam: one unit's parameter storage.
+//
+// Contract: movable, not copyable, not thread-safe (the scheduler drives it from
+// the thread that runs forward and backward). It owns
+//   - the local shard: the tensor the optimizer steps (the nn.Parameter Python
+//     registers; this object holds that very TensorImpl, so `.grad` set here is
+//     the `.grad` Python sees);
+//   - the unsharded buffer: padded_numel elements whose storage exists only
+//     while the unit is unsharded (see [Note: Unsharded storage]);
+//   - the views of the original parameters into that buffer.
+// There is no second copy of the parameters: after construction the original
+// tensors can be dropped.
+//
+// [Note: Unsharded storage]
+// The unsharded buffer is one tensor created once. Resharding resizes its
+// storage to zero bytes; unsharding resizes it back and all-gathers into it.
+// Views handed to autograd alias that storage, so tensors autograd saved in
+// forward (e.g. a linear layer's weight) see the re-gathered values in backward
+// without the graph knowing. The all-gather writes through a second TensorImpl
+// on the same storage (`all_gather_target`) so the views' version counter is
+// never bumped by the refill.
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flatshard/layout.h"
+
+namespace flatshard {
+
+// Sharded state of a unit; values match flatshard's Python enum.
+enum class ShardedState : std::uint8_t {
+  kSharded = 0,     // only the local shard exists
+  kUnsharding = 1,  // all-gather issued, not yet waited on
+  kUnsharded = 2,   // buffer complete and visible to the compute stream
+};
+
+// Bytes of unsharded buffers alive across all FlatParams of this process, and
+// the peak since the last reset. Read by tests and benchmarks.
+struct MemoryCounter {
+  static std::int64_t unsharded_bytes();
+  static std::int64_t peak_unsharded_bytes();
+  static void reset_peak();
+  static void add(std::int64_t bytes);
+};
+
+class FlatParam {
+ public:
+  // Flattens `params` (which must match layout's shapes, share one dtype and
+  // device) and keeps `rank`'s shard as a fresh tensor. Throws c10::Error
+  // naming the parameter when a shape does not match the layout.
+  FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank,
+            const std::vector<at::Tensor>& params);
+  ~FlatParam();
+  FlatParam(const FlatParam&) = delete;
+  FlatParam& operator=(const FlatParam&) = delete;
+
+  // Concatenates `tensors` into one padded 1-D tensor laid out as `layout`
+  // says; gaps and the right padding are zero. Undefined tensors count as zeros.
+  static at::Tensor flatten(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout,
+                            const at::TensorOptions& options);
+  // Views of `flat` (1-D, padded_numel long) shaped as the original parameters.
+  static std::vector<at::Tensor> views_of(const at::Tensor& flat, const FlatParamLayout& layout);
+
+  const std::string& name() const { return name_; }
+  // Renames the unit (the root names units by their module path at lazy init).
+  void set_name(std::string name);
+  const FlatParamLayout& layout() const { return layout_; }
+  std::int64_t rank() const { return rank_; }
+
+  const at::Tensor& local_shard() const { return local_shard_; }
+  // Replaces the local shard by `param`, which must alias it (Python passes the
+  // nn.Parameter made from local_shard()), so that `.grad` is shared.
+  void set_local_shard(const at::Tensor& param);
+
+  const at::Tensor& unsharded() const { return unsharded_; }
+  const at::Tensor& all_gather_target() const { return all_gather_target_; }
+  ShardedState state() const { return state_; }
+  void set_state(ShardedState state) { state_ = state; }
+
+  // Gives the unsharded buffer its storage. Safe to call twice. Allocates with
+  // the current stream of the buffer's device.
+  void alloc_unsharded();
+  // Drops the unsharded buffer's storage. Safe to call twice.
+  void free_unsharded();
+  bool has_unsharded_storage() const;
+  std::int64_t unsharded_nbytes() const;
+
+  // Views of the unsharded buffer; the buffer must have storage.
+  std::vector<at::Tensor> views() const { return views_of(unsharded_, layout_); }
+  // Views made once at construction, outside autograd: what the modules hold
+  // while the unit is sharded (right shapes, no storage behind them).
+  const std::vector<at::Tensor>& placeholder_views() const { return placeholder_views_; }
+
+  // Profiler range names, built once: "flatshard::<what> <unit name>".
+  const std::string& all_gather_range() const { return all_gather_range_; }
+  const std::string& wait_range() const { return wait_range_; }
+  const std::string& reduce_scatter_range() const { return reduce_scatter_range_; }
+  const std::string& reshard_range() const { return reshard_range_; }
+
+ private:
+  std::string name_;
+  FlatParamLayout layout_;
+  std::int64_t rank_;
+  at::Tensor local_shard_;
+  at::Tensor unsharded_;
+  at::Tensor all_gather_target_;
+  std::vector<at::Tensor> placeholder_views_;
+  ShardedState state_ = ShardedState::kSharded;
+  std::string all_gather_range_;
+  std::string wait_range_;
+  std::string reduce_scatter_range_;
+  std::string reshard_range_;
+};
+
+}  // namespace flatshard

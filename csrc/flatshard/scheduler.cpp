@@ -1,0 +1,147 @@
+#include "flatshard/scheduler.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+namespace flatshard {
+namespace {
+
+constexpr const char* kRateLimitWait = "flatshard::rate_limit_wait";
+
+bool device_has_events(const c10::Device& device) { return device.type() != c10::DeviceType::CPU; }
+
+c10::Stream pool_stream(const c10::Device& device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  if (!device_has_events(device)) return impl.getStream(device);
+  return impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+}
+
+// The free fence of an unsharded buffer on a device with events.
+class EventFence final : public Fence {
+ public:
+  explicit EventFence(c10::Event event) : event_(std::move(event)) {}
+  bool is_completed() const override { return event_.query(); }
+  void wait() override { event_.synchronize(); }
+
+ private:
+  c10::Event event_;
+};
+
+}  // namespace
+
+Scheduler::Scheduler(Collectives collectives, c10::Device device, std::int64_t max_in_flight)
+    : collectives_(std::move(collectives)),
+      device_(device),
+      has_events_(device_has_events(device)),
+      all_gather_stream_(pool_stream(device)),
+      reduce_scatter_stream_(pool_stream(device)),
+      limiter_(max_in_flight) {}
+
+Scheduler::~Scheduler() = default;
+
+c10::Stream Scheduler::current_stream() const {
+  return c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
+}
+
+void Scheduler::stream_wait(const c10::Stream& waiter, const c10::Stream& signaller) {
+  if (!has_events_ || waiter == signaller) return;
+  c10::Event event(device_.type());
+  event.record(signaller);
+  event.block(waiter);
+}
+
+void Scheduler::unshard(FlatParam& unit) {
+  if (unit.state() != ShardedState::kSharded) return;
+  if (limiter_.would_block()) {
+    RECORD_USER_SCOPE(kRateLimitWait);
+    limiter_.acquire();
+  }
+  RECORD_USER_SCOPE(unit.all_gather_range());
+  const c10::Stream compute = current_stream();
+  stream_wait(all_gather_stream_, compute);
+  c10::StreamGuard stream_guard(all_gather_stream_);
+  unit.alloc_unsharded();
+  at::Tensor output = unit.all_gather_target();
+  at::Tensor input = unit.local_shard().detach();  // the collective must not see autograd
+  all_gathers_[&unit] = collectives_.all_gather(output, input);
+  unit.set_state(ShardedState::kUnsharding);
+}
+
+void Scheduler::wait_for_unshard(FlatParam& unit) {
+  if (unit.state() == ShardedState::kUnsharded) return;
+  if (unit.state() == ShardedState::kSharded) unshard(unit);
+  RECORD_USER_SCOPE(unit.wait_range());
+  const c10::Stream compute = current_stream();
+  auto it = all_gathers_.find(&unit);
+  TORCH_INTERNAL_ASSERT(it != all_gathers_.end(), "flatshard: no all-gather pending for unit '",
+                        unit.name(), "'");
+  {
+    c10::StreamGuard stream_guard(all_gather_stream_);
+    it->second.wait();
+  }
+  all_gathers_.erase(it);
+  stream_wait(compute, all_gather_stream_);
+  unit.set_state(ShardedState::kUnsharded);
+}
+
+void Scheduler::reshard(FlatParam& unit) {
+  if (unit.state() == ShardedState::kSharded) return;
+  RECORD_USER_SCOPE(unit.reshard_range());
+  if (unit.state() == ShardedState::kUnsharding) {
+    // The collective still writes into the buffer: it must finish first.
+    auto it = all_gathers_.find(&unit);
+    if (it != all_gathers_.end()) {
+      c10::StreamGuard stream_guard(all_gather_stream_);
+      it->second.wait();
+      all_gathers_.erase(it);
+    }
+    stream_wait(current_stream(), all_gather_stream_);
+  }
+  unit.free_unsharded();
+  unit.set_state(ShardedState::kSharded);
+  if (has_events_) {
+    c10::Event event(device_.type());
+    event.record(current_stream());
+    limiter_.record_free(std::make_unique<EventFence>(std::move(event)));
+  }
+}
+
+void Scheduler::reduce_grad(FlatParam& unit, std::vector<at::Tensor> grads, double divide_factor) {
+  TORCH_CHECK(divide_factor > 0, "flatshard: expected a positive gradient divide factor but got ",
+              divide_factor);
+  RECORD_USER_SCOPE(unit.reduce_scatter_range());
+  stream_wait(reduce_scatter_stream_, current_stream());
+  c10::StreamGuard stream_guard(reduce_scatter_stream_);
+  const at::Tensor& shard = unit.local_shard();
+  PendingReduction record{&unit, std::move(grads), at::Tensor(), at::Tensor(), divide_factor, CommWork()};
+  record.flat_grad = FlatParam::flatten(record.grads, unit.layout(), shard.options());
+  record.grad_shard = at::empty({unit.layout().shard_numel()}, shard.options());
+  record.work = collectives_.reduce_scatter_sum(record.grad_shard, record.flat_grad);
+  reductions_.push_back(std::move(record));
+}
+
+void Scheduler::finish_grad_sync() {
+  if (reductions_.empty()) return;
+  RECORD_USER_SCOPE("flatshard::finish_grad_sync");
+  const c10::Stream compute = current_stream();
+  {
+    c10::StreamGuard stream_guard(reduce_scatter_stream_);
+    for (PendingReduction& record : reductions_) {
+      record.work.wait();
+      at::Tensor& shard_grad = record.grad_shard;
+      if (record.divide_factor != 1.0) shard_grad.div_(record.divide_factor);
+      at::Tensor& grad = record.unit->local_shard().mutable_grad();
+      if (grad.defined()) {
+        grad.add_(shard_grad);
+      } else {
+        grad = shard_grad;
+      }
+    }
+  }
+  stream_wait(compute, reduce_scatter_stream_);
+  reductions_.clear();
+}
+
+}  // namespace flatshard

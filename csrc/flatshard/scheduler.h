@@ -1,0 +1,101 @@
+#pragma once
+// Scheduler: the stream-ordered collective runtime shared by every unit under
+// one root FullyShardedDataParallel.
+//
+// Contract: not copyable, not thread-safe; driven by the thread that runs
+// forward and backward. The verbs are unshard / wait_for_unshard / reshard /
+// reduce_grad / finish_grad_sync. Methods that may block say so; the bindings
+// release the GIL around them. Errors from collectives propagate as c10::Error.
+//
+// [Note: Streams]
+// All streams and events live here. On devices with events (CUDA) each
+// collective is issued on its own stream after that stream waited on an event
+// recorded on the compute stream (so it sees every write queued before it, and
+// memory freed by earlier compute can be reused safely); the consumer stream
+// then waits on an event recorded after the collective. Buffers that cross
+// streams are held in pending records until their consumer has waited, then
+// dropped: no record_stream, so memory stays deterministic. On the CPU there
+// are no events and one stream: a collective runs on the process group's own
+// thread (gloo), overlapping the host's compute, and the consumer waits on the
+// collective's work object instead of an event.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "flatshard/collectives.h"
+#include "flatshard/flat_param.h"
+#include "flatshard/rate_limiter.h"
+
+namespace flatshard {
+
+class Scheduler {
+ public:
+  // max_in_flight_all_gathers: 0 for unbounded (limit_all_gathers=False).
+  Scheduler(Collectives collectives, c10::Device device, std::int64_t max_in_flight_all_gathers);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  std::int64_t rank() const { return collectives_.rank(); }
+  std::int64_t world_size() const { return collectives_.size(); }
+  const c10::Device& device() const { return device_; }
+  bool has_events() const { return has_events_; }
+
+  // Issues the all-gather of `unit`'s shards into its unsharded buffer. A no-op
+  // unless the unit is sharded (safe to call twice, e.g. prefetch then
+  // pre-forward). May block in the rate limiter.
+  void unshard(FlatParam& unit);
+  // Makes the unsharded buffer usable on the current stream: blocks the host
+  // until the all-gather completes (CPU), or makes the current stream wait
+  // (devices with events). Issues the all-gather first if it was not. Safe to
+  // call twice.
+  void wait_for_unshard(FlatParam& unit);
+  // Frees the unsharded buffer. If an all-gather into it is still in flight,
+  // blocks until it completes first. Safe to call twice.
+  void reshard(FlatParam& unit);
+  // Issues the reduce-scatter of `grads` (one per original parameter, undefined
+  // for none) flattened as the unit's layout; the SUM is divided by
+  // `divide_factor` and accumulated into the local shard's `.grad` by
+  // finish_grad_sync(). Non-blocking. Keeps `grads` alive until then.
+  void reduce_grad(FlatParam& unit, std::vector<at::Tensor> grads, double divide_factor);
+  // Waits for every pending reduction and writes the gradient shards. Blocks.
+  void finish_grad_sync();
+  std::int64_t pending_reductions() const { return static_cast<std::int64_t>(reductions_.size()); }
+  std::int64_t pending_all_gathers() const { return static_cast<std::int64_t>(all_gathers_.size()); }
+  const RateLimiter& limiter() const { return limiter_; }
+
+ private:
+  struct PendingReduction {
+    FlatParam* unit;
+    std::vector<at::Tensor> grads;  // held until the flat gradient was built from them
+    at::Tensor flat_grad;           // reduce-scatter input, held until it completed
+    at::Tensor grad_shard;          // reduce-scatter output
+    double divide_factor;
+    CommWork work;
+  };
+
+  // Makes `waiter` wait for everything queued so far on `signaller`.
+  void stream_wait(const c10::Stream& waiter, const c10::Stream& signaller);
+  c10::Stream current_stream() const;
+
+  Collectives collectives_;
+  c10::Device device_;
+  bool has_events_;
+  // See [Note: Streams]. On the CPU all four are the one CPU stream.
+  c10::Stream all_gather_stream_;      // lets the next unit's all-gather overlap this unit's compute
+  c10::Stream reduce_scatter_stream_;  // lets gradient reduction overlap earlier layers' backward
+  RateLimiter limiter_;
+  std::unordered_map<const FlatParam*, CommWork> all_gathers_;
+  std::deque<PendingReduction> reductions_;
+};
+
+}  // namespace flatshard

@@ -1,0 +1,35 @@
+"""flatshard: Fully Sharded Data Parallel for PyTorch with a C++ runtime.
+
+A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel``::
+
+    from flatshard import FullyShardedDataParallel as FSDP
+"""
+
+import torch  # noqa: F401  (loads libc10/libtorch before the extension)
+
+from flatshard import _C, wrap
+from flatshard.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
+from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
+
+FSDP = FullyShardedDataParallel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FSDP",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "StateDictType",
+    "wrap",
+]

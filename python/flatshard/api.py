@@ -1,0 +1,24 @@
+"""Configuration enums and dataclasses of the FSDP API.
+
+flatshard uses torch's own classes, so a script that imports them from
+``torch.distributed.fsdp`` and one that imports them from ``flatshard`` pass
+exactly the same objects.
+"""
+
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullStateDictConfig",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "StateDictType",
+]

@@ -1,0 +1,636 @@
+"""``FullyShardedDataParallel``: torch's FSDP interface over the flatshard runtime.
+
+Each instance is one *unit*: it owns every parameter of its subtree that no
+inner unit owns, flattened into one ``FlatParam`` (C++) whose local shard is the
+``nn.Parameter`` registered here as ``_flat_param``. The root (outermost unit)
+creates one ``Scheduler`` (C++) shared by all units below it.
+
+[Note: Unit lifecycle]
+forward:   unshard + wait -> hand the original parameters out as views of the
+           unsharded buffer -> run the module -> reshard (not the root while
+           grad is enabled: its backward starts right away) -> hook the outputs
+-> backward, per unit, in reverse:
+  pre-backward (first gradient w.r.t. the unit's outputs): unshard + wait
+  post-backward (backward of ``_UnshardedViews``, once every view's gradient is
+  complete): reduce-scatter the flat gradient, reshard
+-> end of backward (root's queued callback): wait for every reduction, write
+   the gradient shards to ``_flat_param.grad``, reshard whatever is left.
+Between iterations only local shards (parameters and gradients) are alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard import _C
+from flatshard.api import BackwardPrefetch, CPUOffload, ShardingStrategy
+from flatshard.wrap import _plan_wraps
+
+__all__ = ["FullyShardedDataParallel"]
+
+logger = logging.getLogger("flatshard")
+
+_WRAPPED = "_fsdp_wrapped_module"
+_FLAT_PARAM = "_flat_param"
+_WRAPPED_PREFIX = _WRAPPED + "."
+# Set on an original parameter once a unit owns it: (unit name, parameter name).
+_OWNER_ATTR = "_flatshard_owner"
+
+# Torch's FSDP constructor arguments flatshard does not implement yet, with the
+# value that means "not used". A non-default value raises NotImplementedError.
+_NOT_YET = {
+    "cpu_offload": (None, CPUOffload(offload_params=False)),
+    "mixed_precision": (None,),
+    "param_init_fn": (None,),
+    "sync_module_states": (False,),
+    "forward_prefetch": (False,),
+    "limit_all_gathers": (True,),
+    "use_orig_params": (False,),
+    "ignored_states": (None,),
+    "device_mesh": (None,),
+}
+_SUPPORTED_STRATEGIES = (ShardingStrategy.FULL_SHARD,)
+
+
+def _clean_name(name: str) -> str:
+    return name.replace(_WRAPPED_PREFIX, "")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class _UnshardedViews(torch.autograd.Function):
+    """Hands a unit's original parameters to autograd as views of its unsharded buffer.
+
+    Forward: the views. Backward runs once every view's gradient is complete,
+    which is exactly the unit's post-backward point: it reduce-scatters the
+    gradients and reshards. The gradient shard reaches ``_flat_param.grad`` at
+    the end of backward (see [Note: Unit lifecycle]), so no gradient is
+    returned here.
+    """
+
+    @staticmethod
+    def forward(ctx, unit: "FullyShardedDataParallel", flat_param: nn.Parameter):
+        ctx.unit = unit
+        return tuple(unit._handle.views())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit._post_backward(grads)
+        return None, None
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards a module's parameters across ranks; a drop-in for torch's FSDP (FSDP1).
+
+    The constructor takes torch's arguments. Implemented: ``module``,
+    ``process_group``, ``sharding_strategy`` (FULL_SHARD), ``auto_wrap_policy``
+    (ours or torch's), ``backward_prefetch`` (accepted; prefetching itself is
+    not implemented yet, so the backward pass runs unprefetched),
+    ``ignored_modules`` and ``device_id``. Any other argument with a
+    non-default value raises ``NotImplementedError`` naming it.
+
+    After wrapping, ``parameters()`` yields the local shards (one flat
+    parameter per unit) for the optimizer, as torch's FSDP does with
+    ``use_orig_params=False``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Callable | Any | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Any | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Iterable[Any] | None = None,
+        device_mesh: Any | None = None,
+        *,
+        _unit_name: str = "",
+    ):
+        super().__init__()
+        given = dict(
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision,
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+            ignored_states=ignored_states,
+            device_mesh=device_mesh,
+        )
+        for arg, defaults in _NOT_YET.items():
+            if not any(given[arg] is d or given[arg] == d for d in defaults):
+                raise NotImplementedError(
+                    f"FullyShardedDataParallel: {arg}={given[arg]!r} is not implemented in flatshard "
+                    f"yet. Remove the argument (default {defaults[0]!r}) or use "
+                    f"torch.distributed.fsdp for this model."
+                )
+        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
+        if not isinstance(strategy, ShardingStrategy):
+            raise ValueError(
+                f"FullyShardedDataParallel: sharding_strategy: expected a ShardingStrategy but got "
+                f"{sharding_strategy!r}"
+            )
+        if strategy not in _SUPPORTED_STRATEGIES:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel: sharding_strategy={strategy} is not implemented in "
+                f"flatshard yet; use ShardingStrategy.FULL_SHARD."
+            )
+        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+            raise ValueError(
+                f"FullyShardedDataParallel: backward_prefetch: expected a BackwardPrefetch or None "
+                f"but got {backward_prefetch!r}"
+            )
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                f"FullyShardedDataParallel: module '{_unit_name or type(module.module).__name__}' is "
+                f"already wrapped; wrap each module once."
+            )
+        if isinstance(process_group, tuple):
+            raise NotImplementedError(
+                "FullyShardedDataParallel: a (shard_group, replicate_group) process_group tuple is "
+                "for hybrid sharding, which flatshard does not implement yet."
+            )
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "FullyShardedDataParallel: expected an initialized default process group but "
+                "torch.distributed is not initialized. Call torch.distributed.init_process_group() "
+                "first (torchrun sets the environment it needs), or pass process_group=."
+            )
+        self._process_group = process_group if process_group is not None else dist.group.WORLD
+        self._rank = dist.get_rank(self._process_group)
+        self._world_size = dist.get_world_size(self._process_group)
+        self._sharding_strategy = strategy
+        self._backward_prefetch = backward_prefetch
+        self._limit_all_gathers = limit_all_gathers
+        self._device = _resolve_device(device_id, module, _unit_name)
+        self._unit_name = _unit_name
+
+        ignored = _expand_ignored(ignored_modules, module)
+        ignored_params = {p for m in ignored for p in m.parameters(recurse=False)}
+
+        if auto_wrap_policy is not None:
+            child_kwargs = dict(
+                process_group=process_group,
+                sharding_strategy=sharding_strategy,
+                backward_prefetch=backward_prefetch,
+                ignored_modules=ignored,
+                device_id=device_id,
+                limit_all_gathers=limit_all_gathers,
+            )
+            names = {m: name for name, m in module.named_modules()}
+            plan = _plan_wraps(
+                module,
+                auto_wrap_policy,
+                ignored,
+                ignored_params,
+                lambda m: isinstance(m, FullyShardedDataParallel),
+            )
+            parents = _parent_slots(module)
+            for target, overrides in plan:
+                parent, attr = parents[target]
+                name = _join(_unit_name, names[target])
+                setattr(parent, attr, FullyShardedDataParallel(target, **{**child_kwargs, **overrides}, _unit_name=name))
+
+        self._fsdp_wrapped_module = module
+        self._build_flat_param(module, ignored, ignored_params)
+
+        # Set by the root at lazy init (see _lazy_init).
+        self._is_root: bool | None = None
+        self._root: FullyShardedDataParallel | None = None
+        self._scheduler: Any = None
+        self._units: list[FullyShardedDataParallel] = []
+        self._final_callback_queued = False
+        self._in_summon = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_flat_param(
+        self, module: nn.Module, ignored: set[nn.Module], ignored_params: set[nn.Parameter]
+    ) -> None:
+        """Collects the unit's parameters, materializes and moves them, flattens and shards."""
+        unit_modules = list(_unit_modules(module, ignored))
+        _materialize_meta(unit_modules, self._device, self._unit_name)
+
+        params: list[nn.Parameter] = []
+        names: list[str] = []
+        slots: list[tuple[nn.Module, str, int]] = []  # (module, attribute, index into params)
+        index_of: dict[int, int] = {}
+        for prefix, m in unit_modules:
+            for attr, p in m._parameters.items():
+                if p is None or p in ignored_params:
+                    continue
+                fqn = _join(self._unit_name, _join(prefix, attr))
+                owner = getattr(p, _OWNER_ATTR, None)
+                if owner is not None:
+                    owner_unit, owner_fqn = owner
+                    raise ValueError(
+                        f"FullyShardedDataParallel: parameter '{fqn}' is the same tensor as "
+                        f"'{owner_fqn}', which unit '{owner_unit or '<root>'}' already owns: tied "
+                        f"parameters must live in one unit. Put modules '{fqn.rpartition('.')[0] or '<root>'}' "
+                        f"and '{owner_fqn.rpartition('.')[0] or '<root>'}' into one unit, e.g. do not "
+                        f"wrap either on its own, so that their common parent owns the parameter."
+                    )
+                if id(p) not in index_of:
+                    index_of[id(p)] = len(params)
+                    params.append(p)
+                    names.append(fqn)
+                slots.append((m, attr, index_of[id(p)]))
+
+        self._param_slots = slots
+        self._param_names = names
+        self._handle = None
+        if not params:
+            return
+        _check_uniform(params, names, self._unit_name)
+        for p, fqn in zip(params, names):
+            setattr(p, _OWNER_ATTR, (self._unit_name, fqn))
+        if params[0].device != self._device:
+            with torch.no_grad():
+                for p in params:
+                    p.data = p.data.to(self._device)
+        layout = _C.FlatParamLayout([list(p.shape) for p in params], self._world_size)
+        with torch.no_grad():
+            self._handle = _C.FlatParam(self._unit_name, layout, self._rank, [p.detach() for p in params])
+        flat = nn.Parameter(self._handle.local_shard, requires_grad=params[0].requires_grad)
+        self._handle.set_local_shard(flat)
+        self.register_parameter(_FLAT_PARAM, flat)
+        # The module attributes become plain tensors: views of the unsharded
+        # buffer (storage-less while sharded, see [Note: Unsharded storage]).
+        for m, attr, _ in slots:
+            del m._parameters[attr]
+        self._set_views(self._handle.placeholder_views)
+
+    def _set_views(self, views) -> None:
+        for m, attr, index in self._param_slots:
+            m.__dict__[attr] = views[index]
+
+    def _reshard(self) -> None:
+        """Frees the unsharded buffer; the modules get storage-less placeholders back."""
+        self._scheduler.reshard(self._handle)
+        self._set_views(self._handle.placeholder_views)
+
+    def _lazy_init(self) -> None:
+        """Makes this unit the root of every unit below it; creates the shared scheduler."""
+        if self._is_root is not None:
+            return
+        units = []
+        for name, m in self.named_modules():
+            if isinstance(m, FullyShardedDataParallel):
+                if m._is_root is not None:
+                    raise RuntimeError(
+                        f"FullyShardedDataParallel: unit '{_clean_name(name)}' ran forward on its own "
+                        f"before its root; call the outermost FSDP module's forward."
+                    )
+                units.append((_clean_name(name), m))
+        scheduler = _C.Scheduler(
+            self._process_group, self._device, 2 if self._limit_all_gathers else 0
+        )
+        for name, unit in units:
+            unit._is_root = unit is self
+            unit._root = self
+            unit._scheduler = scheduler
+            unit._unit_name = name
+            if unit._handle is not None:
+                unit._handle.name = name
+        self._units = [u for _, u in units]
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_root is None:
+            self._lazy_init()
+        if self._in_summon:
+            raise RuntimeError(
+                "FullyShardedDataParallel: forward() inside summon_full_params() is not supported; "
+                "leave the context first."
+            )
+        if self._is_root and self._device.type != "cpu":
+            args, kwargs = _to_device((args, kwargs), self._device)
+        handle = self._handle
+        grad_enabled = torch.is_grad_enabled()
+        if handle is not None:
+            self._scheduler.unshard(handle)
+            self._scheduler.wait_for_unshard(handle)
+            flat = self._flat_param
+            if grad_enabled and flat.requires_grad:
+                self._set_views(_UnshardedViews.apply(self, flat))
+            else:
+                self._set_views(handle.views())
+        output = self._fsdp_wrapped_module(*args, **kwargs)
+        if handle is not None and not (self._is_root and grad_enabled):
+            self._reshard()
+        if grad_enabled:
+            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return output
+
+    # --------------------------------------------------------------- backward
+
+    def _pre_backward(self, _grad: Any) -> None:
+        root = self._root
+        if not root._final_callback_queued:
+            root._final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
+        if self._handle is not None:
+            self._scheduler.unshard(self._handle)
+            self._scheduler.wait_for_unshard(self._handle)
+
+    def _post_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        handle = self._handle
+        self._scheduler.reduce_grad(handle, list(grads), float(self._world_size))
+        self._reshard()
+
+    def _finish_backward(self) -> None:
+        """Root only, end of backward: gradient shards written, nothing unsharded."""
+        self._final_callback_queued = False
+        self._scheduler.finish_grad_sync()
+        for unit in self._units:
+            if unit._handle is not None:
+                unit._reshard()
+
+    # ------------------------------------------------------- torch's methods
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == _WRAPPED:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """Like ``nn.Module.named_parameters``, without the wrapper's prefix in names."""
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield _clean_name(name), p
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """Like ``nn.Module.named_buffers``, without the wrapper's prefix in names."""
+        for name, b in super().named_buffers(*args, **kwargs):
+            yield _clean_name(name), b
+
+    def check_is_root(self) -> bool:
+        """Whether this unit is the root (lazy-initializes if no forward ran yet)."""
+        if self._is_root is None:
+            self._lazy_init()
+        return bool(self._is_root)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        """Every FSDP unit in ``module`` (only the outermost ones with ``root_only``)."""
+        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if root_only:
+            inner = {id(m) for u in units for m in u.modules() if m is not u}
+            units = [u for u in units if id(u) not in inner]
+        return units
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Exposes the full, unsharded original parameters of ``module``'s units.
+
+        Inside the context every original parameter is an ``nn.Parameter`` again
+        under its own name and ``named_parameters()`` lists them instead of the
+        flat shards. With ``writeback`` (default), changes made to them inside
+        are copied back into the local shards on exit. Collective: every rank
+        must enter.
+        """
+        for arg, value in (("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu), ("with_grads", with_grads)):
+            if value:
+                raise NotImplementedError(
+                    f"summon_full_params: {arg}=True is not implemented in flatshard yet."
+                )
+        if isinstance(module, FullyShardedDataParallel):
+            roots = [module]
+        else:
+            roots = FullyShardedDataParallel.fsdp_modules(module, root_only=True)
+        for root in roots:
+            if root._is_root is None:
+                root._lazy_init()
+        units = FullyShardedDataParallel.fsdp_modules(module) if recurse else roots
+        units = [u for u in units if not u._in_summon]
+        if any(u._root is not None and u._root._final_callback_queued for u in units):
+            raise RuntimeError(
+                "summon_full_params: called during backward; call it between iterations."
+            )
+        entered: list[tuple[FullyShardedDataParallel, list[nn.Parameter]]] = []
+        try:
+            for unit in units:
+                entered.append((unit, unit._expose_full_params()))
+            yield
+        finally:
+            for unit, full in reversed(entered):
+                unit._hide_full_params(full, writeback)
+
+    def _expose_full_params(self) -> list[nn.Parameter]:
+        self._in_summon = True
+        handle = self._handle
+        if handle is None:
+            return []
+        self._scheduler.unshard(handle)
+        self._scheduler.wait_for_unshard(handle)
+        flat = self._parameters.pop(_FLAT_PARAM)
+        full = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in handle.views()]
+        for m, attr, index in self._param_slots:
+            m.__dict__.pop(attr, None)
+            m._parameters[attr] = full[index]
+        self.__dict__["_summoned_flat_param"] = flat
+        return full
+
+    def _hide_full_params(self, full: list[nn.Parameter], writeback: bool) -> None:
+        self._in_summon = False
+        handle = self._handle
+        if handle is None:
+            return
+        flat = self.__dict__.pop("_summoned_flat_param")
+        for m, attr, _ in self._param_slots:
+            m._parameters.pop(attr, None)
+        self.register_parameter(_FLAT_PARAM, flat)
+        if writeback:
+            begin, end = handle.layout.shard_range(self._rank)
+            with torch.no_grad():
+                flat.copy_(handle.unsharded[begin:end])
+        self._reshard()
+
+    def _not_yet(name: str) -> Callable:  # noqa: N805 - builds methods below
+        def method(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel.{name}() is not implemented in flatshard yet; "
+                f"use torch.distributed.fsdp for this, or FSDP.summon_full_params() to reach the full "
+                f"parameters."
+            )
+
+        method.__name__ = name
+        method.__doc__ = f"Not implemented in flatshard yet: raises NotImplementedError."
+        return method
+
+    for _name in (
+        "state_dict",
+        "load_state_dict",
+        "no_sync",
+        "clip_grad_norm_",
+        "register_comm_hook",
+        "optim_state_dict",
+        "full_optim_state_dict",
+        "sharded_optim_state_dict",
+        "state_dict_type",
+        "set_state_dict_type",
+    ):
+        locals()[_name] = _not_yet(_name)
+    del _name, _not_yet
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _resolve_device(device_id: int | torch.device | None, module: nn.Module, unit_name: str) -> torch.device:
+    if device_id is None:
+        real = [t.device for t in [*module.parameters(), *module.buffers()] if t.device.type != "meta"]
+        if real:
+            return real[0]
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    if isinstance(device_id, torch.device):
+        if device_id.type == "cuda" and device_id.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device_id
+    raise ValueError(
+        f"FullyShardedDataParallel: device_id: expected an int, a torch.device or None but got "
+        f"{device_id!r}"
+    )
+
+
+def _expand_ignored(ignored_modules: Iterable[nn.Module] | None, root: nn.Module) -> set[nn.Module]:
+    if ignored_modules is None:
+        return set()
+    out: set[nn.Module] = set()
+    for m in ignored_modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"ignored_modules: expected nn.Module instances but got {m!r}")
+        if isinstance(m, FullyShardedDataParallel):
+            raise ValueError("ignored_modules: expected plain modules but got an FSDP unit")
+        out.update(m.modules())
+    if root in out:
+        raise ValueError("ignored_modules: the module being wrapped cannot itself be ignored")
+    return out
+
+
+def _parent_slots(root: nn.Module) -> dict[nn.Module, tuple[nn.Module, str]]:
+    slots: dict[nn.Module, tuple[nn.Module, str]] = {}
+    for parent in root.modules():
+        for attr, child in parent.named_children():
+            slots.setdefault(child, (parent, attr))
+    return slots
+
+
+def _unit_modules(module: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module]]:
+    """(relative name, module) for the modules a unit owns: its subtree minus inner units and ignored ones."""
+    stack = [("", module)]
+    seen: set[int] = set()
+    while stack:
+        prefix, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield prefix, m
+        children = [
+            (_join(prefix, name), c)
+            for name, c in m.named_children()
+            if not isinstance(c, FullyShardedDataParallel) and c not in ignored
+        ]
+        stack.extend(reversed(children))
+
+
+def _materialize_meta(unit_modules: list[tuple[str, nn.Module]], device: torch.device, unit_name: str) -> None:
+    """Materializes the unit's meta-device modules on ``device`` with their reset_parameters()."""
+    for prefix, m in unit_modules:
+        states = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        if not any(t.is_meta for t in states):
+            continue
+        name = _join(unit_name, prefix) or type(m).__name__
+        if not callable(getattr(m, "reset_parameters", None)):
+            raise ValueError(
+                f"FullyShardedDataParallel: module '{name}' ({type(m).__name__}) has tensors on the meta "
+                f"device and no reset_parameters() to materialize them. Give it a reset_parameters() "
+                f"method or build the model on a real device."
+            )
+        m.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            m.reset_parameters()
+
+
+def _check_uniform(params: list[nn.Parameter], names: list[str], unit_name: str) -> None:
+    unit = f"'{unit_name}'" if unit_name else "<root>"
+    first = params[0]
+    for attr, fix in (
+        ("dtype", "Cast the module to one dtype (e.g. module.float()) or wrap those modules in separate units"),
+        ("device", "Move the module to one device (or pass device_id=) or wrap those modules in separate units"),
+        ("requires_grad", "Freeze or unfreeze whole units, or wrap the frozen modules in separate units"),
+    ):
+        for p, n in zip(params, names):
+            if getattr(p, attr) != getattr(first, attr):
+                raise ValueError(
+                    f"FullyShardedDataParallel: unit {unit}: parameters of one unit must share one "
+                    f"{attr}, but '{names[0]}' has {attr}={getattr(first, attr)} and '{n}' has "
+                    f"{attr}={getattr(p, attr)}. {fix}."
+                )
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors_in(x)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for f in obj.__dataclass_fields__:
+            yield from _tensors_in(getattr(obj, f))
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True) if obj.device != device else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_device(x, device) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
