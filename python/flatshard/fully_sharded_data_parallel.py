@@ -483,6 +483,10 @@ class FullyShardedDataParallel(nn.Module):
             begin, end = handle.layout.shard_range(self._rank)
             with torch.no_grad():
                 flat.copy_(handle.unsharded[begin:end])
+        # Parameters a caller kept from inside the context must not read freed
+        # storage: they become empty (clone inside the context to keep values).
+        for p in full:
+            p.data = p.data.new_empty(0)
         self._reshard()
 
     def _not_yet(name: str) -> Callable:  # noqa: N805 - builds methods below

@@ -1,0 +1,37 @@
+# Sourced by scripts/test.sh and scripts/run_example.sh: installs what a fresh
+# machine lacks (torch 2.13 CPU if no torch, build and test tools), then builds
+# and installs flatshard from this checkout. Set FLATSHARD_BUILD_TESTS=ON to
+# also build the C++ tests.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "== installing torch 2.13.0 (CPU)"
+  "$PY" -m pip install -q torch==2.13.0
+fi
+missing=()
+"$PY" -c "import scikit_build_core" 2>/dev/null || missing+=("scikit-build-core>=0.10")
+"$PY" -c "import pytest, pytest_timeout" 2>/dev/null || missing+=("pytest>=8" "pytest-timeout>=2.3")
+"$PY" -c "import tqdm" 2>/dev/null || missing+=("tqdm>=4.60")
+if ! cmake --version 2>/dev/null | awk 'NR==1{split($3,v,"."); exit !(v[1]>3 || (v[1]==3 && v[2]>=24))}'; then
+  missing+=("cmake>=3.24")
+fi
+command -v ninja >/dev/null || missing+=("ninja")
+if ((${#missing[@]})); then
+  echo "== installing ${missing[*]}"
+  "$PY" -m pip install -q "${missing[@]}"
+fi
+if [[ "${FLATSHARD_BUILD_TESTS:-OFF}" == ON ]] && ! [[ -e /usr/include/gtest/gtest.h ]]; then
+  echo "== installing GoogleTest (Debian libgtest-dev)"
+  if [[ $(id -u) -eq 0 ]]; then SUDO=(); else SUDO=(sudo); fi
+  "${SUDO[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq libgtest-dev >/dev/null
+fi
+
+echo "== building flatshard (torch $("$PY" -c 'import torch; print(torch.__version__)'))"
+start=$(date +%s)
+# --no-build-isolation: build against the torch installed here, never download another.
+"$PY" -m pip install -q --no-build-isolation --no-deps \
+  -C cmake.define.FLATSHARD_BUILD_TESTS="${FLATSHARD_BUILD_TESTS:-OFF}" -C build-dir=build/release .
+echo "== build took $(( $(date +%s) - start ))s"

@@ -1,0 +1,141 @@
+"""Bad input gets a clear error naming the module or parameter and the fix."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from flatshard import FullyShardedDataParallel as FSDP
+
+
+@pytest.fixture
+def single_rank():
+    """A gloo process group of one rank in this process."""
+    assert not dist.is_initialized()
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.body(self.emb(tokens)))
+
+
+def test_no_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized.*init_process_group"):
+        FSDP(nn.Linear(2, 2))
+
+
+def test_tied_weights_split_across_units_names_both(single_rank):
+    # Wrapping every Linear puts the head (tied to the embedding) in its own unit.
+    with pytest.raises(ValueError) as info:
+        FSDP(TiedLM(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    msg = str(info.value)
+    assert "'emb.weight'" in msg and "'head.weight'" in msg
+    assert "tied parameters must live in one unit" in msg
+    assert "'emb'" in msg and "'head'" in msg
+
+
+def test_tied_weights_in_sibling_units_wrapped_by_hand(single_rank):
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = a.weight
+    FSDP(a)
+    with pytest.raises(ValueError, match=r"'weight' is the same tensor as 'weight'.*tied parameters"):
+        FSDP(b)
+
+
+def test_tied_weights_in_one_unit_are_fine(single_rank):
+    model = FSDP(TiedLM(), auto_wrap_policy=ModuleWrapPolicy({type(None)}))
+    # One copy of the tied weight: 10*4 (tied) + 4*4 + 4 (body).
+    assert model._flat_param.numel() == 10 * 4 + 4 * 4 + 4
+    out = model(torch.tensor([[1, 2, 3]]))
+    out.sum().backward()
+    assert model._flat_param.grad is not None
+
+
+def test_mixed_dtype_in_one_unit(single_rank):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    with pytest.raises(ValueError) as info:
+        FSDP(model)
+    msg = str(info.value)
+    assert "one dtype" in msg and "'0.weight'" in msg and "'1.weight'" in msg and "torch.float64" in msg
+
+
+def test_mixed_requires_grad_in_one_unit(single_rank):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"one requires_grad.*'1.weight'"):
+        FSDP(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: two devices in one unit")
+def test_mixed_device_in_one_unit(single_rank):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).cuda())
+    with pytest.raises(ValueError, match=r"one device.*'1.weight'"):
+        FSDP(model)
+
+
+class NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3, device="meta"))
+
+
+def test_meta_module_without_reset_parameters(single_rank):
+    model = nn.Sequential(nn.Linear(2, 2), NoReset())
+    with pytest.raises(ValueError, match=r"module '1' \(NoReset\) has tensors on the meta device.*reset_parameters"):
+        FSDP(model)
+
+
+def test_meta_module_with_reset_parameters_is_materialized(single_rank):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+    with FSDP.summon_full_params(model):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert set(params) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    for p in params.values():
+        assert p.device.type == "cpu" and torch.isfinite(p).all() and p.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, "mixed_precision"),
+        ({"use_orig_params": True}, "use_orig_params"),
+        ({"sync_module_states": True}, "sync_module_states"),
+        ({"param_init_fn": lambda m: None}, "param_init_fn"),
+    ],
+)
+def test_unimplemented_arguments_raise_naming_them(single_rank, kwargs, name):
+    with pytest.raises(NotImplementedError, match=rf"{name}=.* is not implemented"):
+        FSDP(nn.Linear(2, 2), **kwargs)
+
+
+def test_bad_argument_values(single_rank):
+    with pytest.raises(ValueError, match=r"sharding_strategy: expected a ShardingStrategy but got 'full'"):
+        FSDP(nn.Linear(2, 2), sharding_strategy="full")
+    with pytest.raises(ValueError, match=r"auto_wrap_policy: expected .* but got 3"):
+        FSDP(nn.Linear(2, 2), auto_wrap_policy=3)
+    with pytest.raises(ValueError, match="already wrapped"):
+        FSDP(FSDP(nn.Linear(2, 2)))
