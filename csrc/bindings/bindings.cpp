@@ -74,14 +74,32 @@ PYBIND11_MODULE(_C, m) {
       .def("views", &FlatParam::views)
       .def_property_readonly("placeholder_views", &FlatParam::placeholder_views)
       .def("has_unsharded_storage", &FlatParam::has_unsharded_storage)
-      .def_property_readonly("unsharded_nbytes", &FlatParam::unsharded_nbytes);
+      .def_property_readonly("unsharded_nbytes", &FlatParam::unsharded_nbytes)
+      .def_property_readonly("is_replicated", &FlatParam::is_replicated)
+      .def(
+          "accumulate_grad",
+          [](FlatParam& self, const std::vector<std::optional<at::Tensor>>& grads) {
+            // None (a parameter that got no gradient) counts as zeros.
+            std::vector<at::Tensor> defined;
+            defined.reserve(grads.size());
+            for (const auto& g : grads) defined.push_back(g.has_value() ? *g : at::Tensor());
+            self.accumulate_grad(defined);
+          },
+          py::arg("grads"))
+      .def("has_unsharded_grad", &FlatParam::has_unsharded_grad)
+      .def_property_readonly("unsharded_grad", &FlatParam::unsharded_grad);
 
   py::class_<Scheduler>(m, "Scheduler", "Stream-ordered collectives shared by the units of one root.")
-      .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
-                       std::int64_t max_in_flight) {
-             return std::make_unique<Scheduler>(flatshard::Collectives(group), device, max_in_flight);
+      .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& shard_group,
+                       const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& replicate_group,
+                       c10::Device device, std::int64_t max_in_flight) {
+             std::optional<flatshard::Collectives> replicate;
+             if (replicate_group.has_value()) replicate.emplace(*replicate_group);
+             return std::make_unique<Scheduler>(flatshard::Collectives(shard_group),
+                                                std::move(replicate), device, max_in_flight);
            }),
-           py::arg("process_group"), py::arg("device"), py::arg("max_in_flight_all_gathers"))
+           py::arg("shard_group"), py::arg("replicate_group"), py::arg("device"),
+           py::arg("max_in_flight_all_gathers"))
       .def_property_readonly("rank", &Scheduler::rank)
       .def_property_readonly("world_size", &Scheduler::world_size)
       .def_property_readonly("has_events", &Scheduler::has_events)
@@ -89,18 +107,8 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_for_unshard", &Scheduler::wait_for_unshard, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())
       .def("reshard", &Scheduler::reshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "reduce_grad",
-          [](Scheduler& self, FlatParam& unit, const std::vector<std::optional<at::Tensor>>& grads,
-             double divide_factor) {
-            // None (a parameter that got no gradient) becomes an undefined tensor: zeros.
-            std::vector<at::Tensor> defined;
-            defined.reserve(grads.size());
-            for (const auto& g : grads) defined.push_back(g.has_value() ? *g : at::Tensor());
-            py::gil_scoped_release no_gil;
-            self.reduce_grad(unit, std::move(defined), divide_factor);
-          },
-          py::arg("unit"), py::arg("grads"), py::arg("divide_factor"))
+      .def("reduce_grad", &Scheduler::reduce_grad, py::arg("unit"), py::arg("divide_factor"),
+           py::arg("all_reduce_replicas"), py::call_guard<py::gil_scoped_release>())
       .def("finish_grad_sync", &Scheduler::finish_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pending_reductions", &Scheduler::pending_reductions)
       .def_property_readonly("pending_all_gathers", &Scheduler::pending_all_gathers)

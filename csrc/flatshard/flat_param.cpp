@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace flatshard {
 namespace {
@@ -102,13 +103,19 @@ FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank
     const auto [begin, end] = layout_.shard_range(rank_);
     local_shard_ = flat.narrow(0, begin, end - begin).clone();
   }
-  // Everything that aliases the buffer is made while it has storage (set_
-  // would grow an empty storage back), then the storage is dropped.
-  unsharded_ = at::empty({layout_.padded_numel()}, options);
-  placeholder_views_ = views_of(unsharded_, layout_);
-  all_gather_target_ = at::empty({0}, options);
-  all_gather_target_.set_(unsharded_.storage(), 0, {layout_.padded_numel()}, {1});
-  resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
+  if (is_replicated()) {
+    unsharded_ = local_shard_.detach();
+    placeholder_views_ = views_of(unsharded_, layout_);
+    state_ = ShardedState::kUnsharded;
+  } else {
+    // Everything that aliases the buffer is made while it has storage (set_
+    // would grow an empty storage back), then the storage is dropped.
+    unsharded_ = at::empty({layout_.padded_numel()}, options);
+    placeholder_views_ = views_of(unsharded_, layout_);
+    all_gather_target_ = at::empty({0}, options);
+    all_gather_target_.set_(unsharded_.storage(), 0, {layout_.padded_numel()}, {1});
+    resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
+  }
 
   set_name(name_);
 }
@@ -120,10 +127,31 @@ void FlatParam::set_name(std::string name) {
   wait_range_ = "flatshard::wait_for_unshard" + suffix;
   reduce_scatter_range_ = "flatshard::reduce_scatter" + suffix;
   reshard_range_ = "flatshard::reshard" + suffix;
+  all_reduce_range_ = "flatshard::all_reduce" + suffix;
 }
 
 FlatParam::~FlatParam() {
   if (unsharded_.defined()) free_unsharded();
+}
+
+void FlatParam::accumulate_grad(const std::vector<at::Tensor>& grads) {
+  TORCH_CHECK(static_cast<std::int64_t>(grads.size()) == layout_.num_params(), "flatshard: unit '",
+              name_, "': expected ", layout_.num_params(), " gradients but got ", grads.size());
+  if (!unsharded_grad_.defined()) {
+    unsharded_grad_ = flatten(grads, layout_, local_shard_.options().requires_grad(false));
+    return;
+  }
+  for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
+    if (!grads[i].defined() || layout_.numels()[i] == 0) continue;
+    unsharded_grad_.narrow(0, layout_.offsets()[i], layout_.numels()[i])
+        .add_(grads[i].reshape({layout_.numels()[i]}));
+  }
+}
+
+at::Tensor FlatParam::take_unsharded_grad() {
+  TORCH_INTERNAL_ASSERT(unsharded_grad_.defined(), "flatshard: unit '", name_,
+                        "' has no unsharded gradient to reduce");
+  return std::exchange(unsharded_grad_, at::Tensor());
 }
 
 void FlatParam::set_local_shard(const at::Tensor& param) {
@@ -134,14 +162,17 @@ void FlatParam::set_local_shard(const at::Tensor& param) {
   local_shard_ = param;
 }
 
-bool FlatParam::has_unsharded_storage() const { return unsharded_.storage().nbytes() > 0; }
+bool FlatParam::has_unsharded_storage() const {
+  return !is_replicated() && unsharded_.storage().nbytes() > 0;
+}
+
 
 std::int64_t FlatParam::unsharded_nbytes() const {
   return layout_.padded_numel() * static_cast<std::int64_t>(unsharded_.element_size());
 }
 
 void FlatParam::alloc_unsharded() {
-  if (has_unsharded_storage() || layout_.padded_numel() == 0) return;
+  if (is_replicated() || has_unsharded_storage() || layout_.padded_numel() == 0) return;
   resize_storage(unsharded_.storage().unsafeGetStorageImpl(),
                  static_cast<std::size_t>(unsharded_nbytes()));
   MemoryCounter::add(unsharded_nbytes());

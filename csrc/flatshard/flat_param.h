@@ -12,6 +12,9 @@
 // There is no second copy of the parameters: after construction the original
 // tensors can be dropped.
 //
+// With shard factor 1 (NO_SHARD, or one rank) there is nothing to gather: the
+// unsharded buffer is the local shard itself and alloc/free are no-ops.
+//
 // [Note: Unsharded storage]
 // The unsharded buffer is one tensor created once. Resharding resizes its
 // storage to zero bytes; unsharding resizes it back and all-gathers into it.
@@ -31,6 +34,15 @@
 #include "flatshard/layout.h"
 
 namespace flatshard {
+
+// [Note: Gradient accumulation]
+// A unit's post-backward adds its parameters' gradients into one unsharded
+// flat gradient. It is reduced (and then dropped) once the unit has no other
+// use left in this backward and gradients are being synchronized; so a module
+// called twice, or several forwards before one backward, cost one reduction,
+// and inside no_sync() the flat gradient simply lives on until the first
+// backward outside it. Reduced gradient shards accumulate into the local
+// shard's `.grad`, which is gradient accumulation with communication.
 
 // Sharded state of a unit; values match flatshard's Python enum.
 enum class ShardedState : std::uint8_t {
@@ -89,6 +101,17 @@ class FlatParam {
   void free_unsharded();
   bool has_unsharded_storage() const;
   std::int64_t unsharded_nbytes() const;
+  // True when the shard is the whole flat parameter (shard factor 1).
+  bool is_replicated() const { return layout_.shard_factor() == 1; }
+
+  // Adds `grads` (one per original parameter, undefined for none) into the
+  // unsharded flat gradient, allocating it (zeros where undefined) on first
+  // use. Runs on the current stream. See [Note: Gradient accumulation].
+  void accumulate_grad(const std::vector<at::Tensor>& grads);
+  bool has_unsharded_grad() const { return unsharded_grad_.defined(); }
+  const at::Tensor& unsharded_grad() const { return unsharded_grad_; }
+  // Hands the unsharded flat gradient over (to the reduction) and forgets it.
+  at::Tensor take_unsharded_grad();
 
   // Views of the unsharded buffer; the buffer must have storage.
   std::vector<at::Tensor> views() const { return views_of(unsharded_, layout_); }
@@ -101,6 +124,7 @@ class FlatParam {
   const std::string& wait_range() const { return wait_range_; }
   const std::string& reduce_scatter_range() const { return reduce_scatter_range_; }
   const std::string& reshard_range() const { return reshard_range_; }
+  const std::string& all_reduce_range() const { return all_reduce_range_; }
 
  private:
   std::string name_;
@@ -115,6 +139,8 @@ class FlatParam {
   std::string wait_range_;
   std::string reduce_scatter_range_;
   std::string reshard_range_;
+  std::string all_reduce_range_;
+  at::Tensor unsharded_grad_;
 };
 
 }  // namespace flatshard

@@ -5,12 +5,15 @@
 // issues collectives). Torch-free, so it is unit-tested with fake fences.
 //
 // [Note: Rate limiter]
-// Every unsharded buffer the host has asked to free is memory the caching
-// allocator cannot hand out again until the device has passed the point of the
-// free (its "free fence"). The limiter keeps those fences in issue order. Before
-// another all-gather is issued, while `max_in_flight` or more are pending, the
-// host waits on the oldest one and drops it. With max_in_flight == 0 it never
-// waits. A fence that is already complete costs nothing but the check.
+// A fast host could issue many all-gathers ahead of compute; each in-flight
+// unsharded buffer is memory nobody else can use. The limiter keeps, in issue
+// order, a "free fence" per buffer: on devices with events, an event recorded
+// when the buffer is resharded (the caching allocator can hand the memory out
+// again once the device passed it); on the CPU, the all-gather's completion
+// (the buffer is busy while the process group's thread writes it). Before
+// another all-gather is issued, while `max_in_flight` or more fences are
+// pending, the host waits on the oldest one and drops it. With max_in_flight
+// == 0 it never waits. A fence that is already complete costs only the check.
 
 #include <cstdint>
 #include <deque>

@@ -29,14 +29,29 @@ class EventFence final : public Fence {
   c10::Event event_;
 };
 
+// On the CPU a buffer is busy while the all-gather into it runs on the
+// process group's thread: its fence is the collective's completion.
+class WorkFence final : public Fence {
+ public:
+  explicit WorkFence(CommWork work) : work_(std::move(work)) {}
+  bool is_completed() const override { return work_.is_completed(); }
+  void wait() override { work_.wait(); }
+
+ private:
+  CommWork work_;
+};
+
 }  // namespace
 
-Scheduler::Scheduler(Collectives collectives, c10::Device device, std::int64_t max_in_flight)
-    : collectives_(std::move(collectives)),
+Scheduler::Scheduler(Collectives shard, std::optional<Collectives> replicate, c10::Device device,
+                     std::int64_t max_in_flight)
+    : shard_(std::move(shard)),
+      replicate_(std::move(replicate)),
       device_(device),
       has_events_(device_has_events(device)),
       all_gather_stream_(pool_stream(device)),
       reduce_scatter_stream_(pool_stream(device)),
+      all_reduce_stream_(pool_stream(device)),
       limiter_(max_in_flight) {}
 
 Scheduler::~Scheduler() = default;
@@ -54,6 +69,10 @@ void Scheduler::stream_wait(const c10::Stream& waiter, const c10::Stream& signal
 
 void Scheduler::unshard(FlatParam& unit) {
   if (unit.state() != ShardedState::kSharded) return;
+  if (unit.is_replicated()) {
+    unit.set_state(ShardedState::kUnsharded);
+    return;
+  }
   if (limiter_.would_block()) {
     RECORD_USER_SCOPE(kRateLimitWait);
     limiter_.acquire();
@@ -65,13 +84,16 @@ void Scheduler::unshard(FlatParam& unit) {
   unit.alloc_unsharded();
   at::Tensor output = unit.all_gather_target();
   at::Tensor input = unit.local_shard().detach();  // the collective must not see autograd
-  all_gathers_[&unit] = collectives_.all_gather(output, input);
+  CommWork work = shard_.all_gather(output, input);
+  if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
+  all_gathers_[&unit] = std::move(work);
   unit.set_state(ShardedState::kUnsharding);
 }
 
 void Scheduler::wait_for_unshard(FlatParam& unit) {
   if (unit.state() == ShardedState::kUnsharded) return;
   if (unit.state() == ShardedState::kSharded) unshard(unit);
+  if (unit.state() == ShardedState::kUnsharded) return;  // replicated
   RECORD_USER_SCOPE(unit.wait_range());
   const c10::Stream compute = current_stream();
   auto it = all_gathers_.find(&unit);
@@ -88,6 +110,10 @@ void Scheduler::wait_for_unshard(FlatParam& unit) {
 
 void Scheduler::reshard(FlatParam& unit) {
   if (unit.state() == ShardedState::kSharded) return;
+  if (unit.is_replicated()) {
+    unit.set_state(ShardedState::kSharded);
+    return;
+  }
   RECORD_USER_SCOPE(unit.reshard_range());
   if (unit.state() == ShardedState::kUnsharding) {
     // The collective still writes into the buffer: it must finish first.
@@ -108,17 +134,27 @@ void Scheduler::reshard(FlatParam& unit) {
   }
 }
 
-void Scheduler::reduce_grad(FlatParam& unit, std::vector<at::Tensor> grads, double divide_factor) {
+void Scheduler::reduce_grad(FlatParam& unit, double divide_factor, bool all_reduce_replicas) {
   TORCH_CHECK(divide_factor > 0, "flatshard: expected a positive gradient divide factor but got ",
               divide_factor);
-  RECORD_USER_SCOPE(unit.reduce_scatter_range());
-  stream_wait(reduce_scatter_stream_, current_stream());
+  TORCH_CHECK(!all_reduce_replicas || replicate_.has_value(), "flatshard: unit '", unit.name(),
+              "' asks for a replica all-reduce but the scheduler has no replicate group");
+  PendingReduction record{&unit, unit.take_unsharded_grad(), at::Tensor(), divide_factor,
+                          all_reduce_replicas, CommWork(), CommWork()};
+  const c10::Stream compute = current_stream();
+  stream_wait(reduce_scatter_stream_, compute);
   c10::StreamGuard stream_guard(reduce_scatter_stream_);
-  const at::Tensor& shard = unit.local_shard();
-  PendingReduction record{&unit, std::move(grads), at::Tensor(), at::Tensor(), divide_factor, CommWork()};
-  record.flat_grad = FlatParam::flatten(record.grads, unit.layout(), shard.options());
-  record.grad_shard = at::empty({unit.layout().shard_numel()}, shard.options());
-  record.work = collectives_.reduce_scatter_sum(record.grad_shard, record.flat_grad);
+  if (unit.is_replicated()) {
+    record.grad_shard = record.flat_grad;
+    if (shard_.size() > 1) {
+      RECORD_USER_SCOPE(unit.all_reduce_range());
+      record.shard_work = shard_.all_reduce_sum(record.grad_shard);
+    }
+  } else {
+    RECORD_USER_SCOPE(unit.reduce_scatter_range());
+    record.grad_shard = at::empty({unit.layout().shard_numel()}, record.flat_grad.options());
+    record.shard_work = shard_.reduce_scatter_sum(record.grad_shard, record.flat_grad);
+  }
   reductions_.push_back(std::move(record));
 }
 
@@ -126,21 +162,36 @@ void Scheduler::finish_grad_sync() {
   if (reductions_.empty()) return;
   RECORD_USER_SCOPE("flatshard::finish_grad_sync");
   const c10::Stream compute = current_stream();
+  // Phase 1: shard-group reductions done; replica all-reduces issued behind them.
+  for (PendingReduction& record : reductions_) {
+    {
+      c10::StreamGuard stream_guard(reduce_scatter_stream_);
+      record.shard_work.wait();
+    }
+    if (record.all_reduce_replicas && replicate_->size() > 1) {
+      stream_wait(all_reduce_stream_, reduce_scatter_stream_);
+      c10::StreamGuard stream_guard(all_reduce_stream_);
+      RECORD_USER_SCOPE(record.unit->all_reduce_range());
+      record.replica_work = replicate_->all_reduce_sum(record.grad_shard);
+    }
+  }
+  // Phase 2: divide and accumulate into `.grad`.
   {
-    c10::StreamGuard stream_guard(reduce_scatter_stream_);
+    stream_wait(all_reduce_stream_, reduce_scatter_stream_);
+    c10::StreamGuard stream_guard(all_reduce_stream_);
     for (PendingReduction& record : reductions_) {
-      record.work.wait();
+      record.replica_work.wait();
       at::Tensor& shard_grad = record.grad_shard;
       if (record.divide_factor != 1.0) shard_grad.div_(record.divide_factor);
-      at::Tensor& grad = record.unit->local_shard().mutable_grad();
+      const at::Tensor& grad = record.unit->local_shard().mutable_grad();
       if (grad.defined()) {
         grad.add_(shard_grad);
       } else {
-        grad = shard_grad;
+        record.unit->local_shard().mutable_grad() = shard_grad;
       }
     }
   }
-  stream_wait(compute, reduce_scatter_stream_);
+  stream_wait(compute, all_reduce_stream_);
   reductions_.clear();
 }
 

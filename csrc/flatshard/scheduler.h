@@ -39,20 +39,24 @@ namespace flatshard {
 
 class Scheduler {
  public:
+  // shard: the group each unit is sharded over. replicate: for hybrid sharding,
+  // the group the gradient shards are all-reduced over (nullopt otherwise).
   // max_in_flight_all_gathers: 0 for unbounded (limit_all_gathers=False).
-  Scheduler(Collectives collectives, c10::Device device, std::int64_t max_in_flight_all_gathers);
+  Scheduler(Collectives shard, std::optional<Collectives> replicate, c10::Device device,
+            std::int64_t max_in_flight_all_gathers);
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
-  std::int64_t rank() const { return collectives_.rank(); }
-  std::int64_t world_size() const { return collectives_.size(); }
+  std::int64_t rank() const { return shard_.rank(); }
+  std::int64_t world_size() const { return shard_.size(); }
   const c10::Device& device() const { return device_; }
   bool has_events() const { return has_events_; }
 
   // Issues the all-gather of `unit`'s shards into its unsharded buffer. A no-op
   // unless the unit is sharded (safe to call twice, e.g. prefetch then
-  // pre-forward). May block in the rate limiter.
+  // pre-forward); a replicated unit (shard factor 1) just becomes unsharded.
+  // May block in the rate limiter (see [Note: Rate limiter]).
   void unshard(FlatParam& unit);
   // Makes the unsharded buffer usable on the current stream: blocks the host
   // until the all-gather completes (CPU), or makes the current stream wait
@@ -62,11 +66,13 @@ class Scheduler {
   // Frees the unsharded buffer. If an all-gather into it is still in flight,
   // blocks until it completes first. Safe to call twice.
   void reshard(FlatParam& unit);
-  // Issues the reduce-scatter of `grads` (one per original parameter, undefined
-  // for none) flattened as the unit's layout; the SUM is divided by
-  // `divide_factor` and accumulated into the local shard's `.grad` by
-  // finish_grad_sync(). Non-blocking. Keeps `grads` alive until then.
-  void reduce_grad(FlatParam& unit, std::vector<at::Tensor> grads, double divide_factor);
+  // Takes the unit's unsharded flat gradient (FlatParam::accumulate_grad) and
+  // issues its reduction: reduce-scatter over the shard group (all-reduce if
+  // the unit is replicated), then, with `all_reduce_replicas`, all-reduce of
+  // the shard over the replicate group. SUM, divided by `divide_factor`, is
+  // accumulated into the local shard's `.grad` by finish_grad_sync().
+  // Non-blocking.
+  void reduce_grad(FlatParam& unit, double divide_factor, bool all_reduce_replicas);
   // Waits for every pending reduction and writes the gradient shards. Blocks.
   void finish_grad_sync();
   std::int64_t pending_reductions() const { return static_cast<std::int64_t>(reductions_.size()); }
@@ -76,23 +82,26 @@ class Scheduler {
  private:
   struct PendingReduction {
     FlatParam* unit;
-    std::vector<at::Tensor> grads;  // held until the flat gradient was built from them
-    at::Tensor flat_grad;           // reduce-scatter input, held until it completed
-    at::Tensor grad_shard;          // reduce-scatter output
+    at::Tensor flat_grad;   // reduction input, held until the reduction completed
+    at::Tensor grad_shard;  // reduction output
     double divide_factor;
-    CommWork work;
+    bool all_reduce_replicas;
+    CommWork shard_work;    // reduce-scatter (or all-reduce) over the shard group
+    CommWork replica_work;  // all-reduce over the replicate group
   };
 
   // Makes `waiter` wait for everything queued so far on `signaller`.
   void stream_wait(const c10::Stream& waiter, const c10::Stream& signaller);
   c10::Stream current_stream() const;
 
-  Collectives collectives_;
+  Collectives shard_;
+  std::optional<Collectives> replicate_;
   c10::Device device_;
   bool has_events_;
-  // See [Note: Streams]. On the CPU all four are the one CPU stream.
+  // See [Note: Streams]. On the CPU all of them are the one CPU stream.
   c10::Stream all_gather_stream_;      // lets the next unit's all-gather overlap this unit's compute
   c10::Stream reduce_scatter_stream_;  // lets gradient reduction overlap earlier layers' backward
+  c10::Stream all_reduce_stream_;      // lets the replica all-reduce overlap the next reduce-scatter
   RateLimiter limiter_;
   std::unordered_map<const FlatParam*, CommWork> all_gathers_;
   std::deque<PendingReduction> reductions_;

@@ -6,22 +6,42 @@ inner unit owns, flattened into one ``FlatParam`` (C++) whose local shard is the
 creates one ``Scheduler`` (C++) shared by all units below it.
 
 [Note: Unit lifecycle]
-forward:   unshard + wait -> hand the original parameters out as views of the
-           unsharded buffer -> run the module -> reshard (not the root while
-           grad is enabled: its backward starts right away) -> hook the outputs
--> backward, per unit, in reverse:
-  pre-backward (first gradient w.r.t. the unit's outputs): unshard + wait
-  post-backward (backward of ``_UnshardedViews``, once every view's gradient is
-  complete): reduce-scatter the flat gradient, reshard
--> end of backward (root's queued callback): wait for every reduction, write
-   the gradient shards to ``_flat_param.grad``, reshard whatever is left.
+forward (per call of a unit):
+  unshard (+ forward prefetch: the unit that came next in the previous
+  iteration's pre-forward order) -> wait -> hand the original parameters out
+  as views of the unsharded buffer -> run the module -> reshard if the
+  strategy reshards after forward (FULL_SHARD, HYBRID_SHARD; never the root
+  while grad is enabled, its backward starts right away; always when grad is
+  disabled) -> hook the outputs' gradients
+backward, per use of a unit, in reverse:
+  pre-backward (first gradient w.r.t. the use's outputs): unshard + wait
+  (+ BACKWARD_PRE: all-gather the unit that ran before it in this iteration's
+  post-forward order, i.e. the next one in backward)
+  post-backward (backward of ``_UnshardedViews``, once every view's gradient
+  is complete): accumulate the gradients into the unit's flat gradient (see
+  [Note: Gradient accumulation] in csrc/flatshard/flat_param.h); when no
+  other use of the unit is pending and gradients are synchronized: reduce,
+  (+ BACKWARD_POST: all-gather the next unit), reshard
+end of backward (root's queued callback): reduce what is left, wait for every
+  reduction, write the gradient shards to ``_flat_param.grad``, reshard
+  everything (unless inside ``no_sync()``).
 Between iterations only local shards (parameters and gradients) are alive.
+
+[Note: no_sync]
+Inside ``no_sync()`` no collective runs in backward: units stay unsharded
+from their first forward on (so backward needs no all-gather) and their
+gradients accumulate unsharded (no reduction). The first backward outside
+the context reduces everything once and reshards. This costs the memory of
+unsharded parameters and gradients during accumulation (as DDP), which is
+what buys zero communication; torch's FSDP1 re-gathers FULL_SHARD parameters
+in backward instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -49,13 +69,12 @@ _NOT_YET = {
     "mixed_precision": (None,),
     "param_init_fn": (None,),
     "sync_module_states": (False,),
-    "forward_prefetch": (False,),
-    "limit_all_gathers": (True,),
     "use_orig_params": (False,),
     "ignored_states": (None,),
-    "device_mesh": (None,),
 }
-_SUPPORTED_STRATEGIES = (ShardingStrategy.FULL_SHARD,)
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+_SHARDED = _C.ShardedState.SHARDED
 
 
 def _clean_name(name: str) -> str:
@@ -66,36 +85,46 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+class _Use:
+    """One grad-enabled forward call of a unit: where it sits in the post-forward order."""
+
+    __slots__ = ("order", "index")
+
+    def __init__(self) -> None:
+        self.order: list[FullyShardedDataParallel] = []
+        self.index = -1
+
+
 class _UnshardedViews(torch.autograd.Function):
     """Hands a unit's original parameters to autograd as views of its unsharded buffer.
 
     Forward: the views. Backward runs once every view's gradient is complete,
-    which is exactly the unit's post-backward point: it reduce-scatters the
-    gradients and reshards. The gradient shard reaches ``_flat_param.grad`` at
-    the end of backward (see [Note: Unit lifecycle]), so no gradient is
-    returned here.
+    which is exactly the unit's post-backward point for this use (see
+    [Note: Unit lifecycle]). The gradient shard reaches ``_flat_param.grad``
+    at the end of backward, so no gradient is returned here.
     """
 
     @staticmethod
-    def forward(ctx, unit: "FullyShardedDataParallel", flat_param: nn.Parameter):
+    def forward(ctx, unit: "FullyShardedDataParallel", use: _Use, flat_param: nn.Parameter):
         ctx.unit = unit
+        ctx.use = use
         return tuple(unit._handle.views())
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit._post_backward(grads)
-        return None, None
+        ctx.unit._post_backward(ctx.use, grads)
+        return None, None, None
 
 
 class FullyShardedDataParallel(nn.Module):
     """Shards a module's parameters across ranks; a drop-in for torch's FSDP (FSDP1).
 
     The constructor takes torch's arguments. Implemented: ``module``,
-    ``process_group``, ``sharding_strategy`` (FULL_SHARD), ``auto_wrap_policy``
-    (ours or torch's), ``backward_prefetch`` (accepted; prefetching itself is
-    not implemented yet, so the backward pass runs unprefetched),
-    ``ignored_modules`` and ``device_id``. Any other argument with a
-    non-default value raises ``NotImplementedError`` naming it.
+    ``process_group`` (a group, or a (shard, replicate) tuple for hybrid),
+    ``sharding_strategy`` (all five), ``auto_wrap_policy`` (ours or torch's),
+    ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``,
+    ``ignored_modules``, ``device_id`` and ``device_mesh``. Any other argument
+    with a non-default value raises ``NotImplementedError`` naming it.
 
     After wrapping, ``parameters()`` yields the local shards (one flat
     parameter per unit) for the optimizer, as torch's FSDP does with
@@ -129,11 +158,8 @@ class FullyShardedDataParallel(nn.Module):
             mixed_precision=mixed_precision,
             param_init_fn=param_init_fn,
             sync_module_states=sync_module_states,
-            forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers,
             use_orig_params=use_orig_params,
             ignored_states=ignored_states,
-            device_mesh=device_mesh,
         )
         for arg, defaults in _NOT_YET.items():
             if not any(given[arg] is d or given[arg] == d for d in defaults):
@@ -148,11 +174,6 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel: sharding_strategy: expected a ShardingStrategy but got "
                 f"{sharding_strategy!r}"
             )
-        if strategy not in _SUPPORTED_STRATEGIES:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel: sharding_strategy={strategy} is not implemented in "
-                f"flatshard yet; use ShardingStrategy.FULL_SHARD."
-            )
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise ValueError(
                 f"FullyShardedDataParallel: backward_prefetch: expected a BackwardPrefetch or None "
@@ -163,23 +184,26 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel: module '{_unit_name or type(module.module).__name__}' is "
                 f"already wrapped; wrap each module once."
             )
-        if isinstance(process_group, tuple):
-            raise NotImplementedError(
-                "FullyShardedDataParallel: a (shard_group, replicate_group) process_group tuple is "
-                "for hybrid sharding, which flatshard does not implement yet."
-            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "FullyShardedDataParallel: expected an initialized default process group but "
                 "torch.distributed is not initialized. Call torch.distributed.init_process_group() "
                 "first (torchrun sets the environment it needs), or pass process_group=."
             )
-        self._process_group = process_group if process_group is not None else dist.group.WORLD
-        self._rank = dist.get_rank(self._process_group)
-        self._world_size = dist.get_world_size(self._process_group)
+        shard_group, replicate_group = _resolve_groups(process_group, device_mesh, strategy)
+        self._process_group = shard_group
+        self._replicate_group = replicate_group
+        self._rank = dist.get_rank(shard_group)
+        self._world_size = dist.get_world_size(shard_group)
+        replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        # Gradients are averaged over every data-parallel rank (SUM, then divide).
+        self._divide_factor = float(self._world_size * replicas)
+        self._shard_factor = 1 if strategy == ShardingStrategy.NO_SHARD else self._world_size
         self._sharding_strategy = strategy
+        self._reshard_after_forward = strategy in _RESHARD_AFTER_FORWARD
         self._backward_prefetch = backward_prefetch
-        self._limit_all_gathers = limit_all_gathers
+        self._forward_prefetch = bool(forward_prefetch)
+        self._limit_all_gathers = bool(limit_all_gathers)
         self._device = _resolve_device(device_id, module, _unit_name)
         self._unit_name = _unit_name
 
@@ -188,11 +212,13 @@ class FullyShardedDataParallel(nn.Module):
 
         if auto_wrap_policy is not None:
             child_kwargs = dict(
-                process_group=process_group,
-                sharding_strategy=sharding_strategy,
+                # The resolved groups: children must not create groups of their own.
+                process_group=(shard_group, replicate_group) if replicate_group is not None else shard_group,
+                sharding_strategy=strategy,
                 backward_prefetch=backward_prefetch,
                 ignored_modules=ignored,
                 device_id=device_id,
+                forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers,
             )
             names = {m: name for name, m in module.named_modules()}
@@ -217,8 +243,16 @@ class FullyShardedDataParallel(nn.Module):
         self._root: FullyShardedDataParallel | None = None
         self._scheduler: Any = None
         self._units: list[FullyShardedDataParallel] = []
-        self._final_callback_queued = False
         self._in_summon = False
+        # Per unit, per backward: uses whose post-backward has not run yet.
+        self._pending_uses = 0
+        self._sync_gradients = True
+        # Root only, per iteration (see [Note: Unit lifecycle]).
+        self._final_callback_queued = False
+        self._in_iteration = False
+        self._pre_forward_order: list[FullyShardedDataParallel] = []
+        self._prev_pre_forward_order: list[FullyShardedDataParallel] = []
+        self._post_forward_order: list[FullyShardedDataParallel] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -266,9 +300,10 @@ class FullyShardedDataParallel(nn.Module):
             with torch.no_grad():
                 for p in params:
                     p.data = p.data.to(self._device)
-        layout = _C.FlatParamLayout([list(p.shape) for p in params], self._world_size)
+        layout = _C.FlatParamLayout([list(p.shape) for p in params], self._shard_factor)
         with torch.no_grad():
-            self._handle = _C.FlatParam(self._unit_name, layout, self._rank, [p.detach() for p in params])
+            shard_rank = self._rank if self._shard_factor > 1 else 0
+            self._handle = _C.FlatParam(self._unit_name, layout, shard_rank, [p.detach() for p in params])
         flat = nn.Parameter(self._handle.local_shard, requires_grad=params[0].requires_grad)
         self._handle.set_local_shard(flat)
         self.register_parameter(_FLAT_PARAM, flat)
@@ -300,8 +335,15 @@ class FullyShardedDataParallel(nn.Module):
                         f"before its root; call the outermost FSDP module's forward."
                     )
                 units.append((_clean_name(name), m))
+        for name, unit in units:
+            if unit._process_group is not self._process_group or unit._replicate_group is not self._replicate_group:
+                raise NotImplementedError(
+                    f"FullyShardedDataParallel: unit '{name}' uses other process groups than its root; "
+                    f"flatshard runs all units of one root over the root's groups. Give every unit the "
+                    f"same process_group."
+                )
         scheduler = _C.Scheduler(
-            self._process_group, self._device, 2 if self._limit_all_gathers else 0
+            self._process_group, self._replicate_group, self._device, _all_gather_limit(self._limit_all_gathers)
         )
         for name, unit in units:
             unit._is_root = unit is self
@@ -322,50 +364,125 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel: forward() inside summon_full_params() is not supported; "
                 "leave the context first."
             )
-        if self._is_root and self._device.type != "cpu":
-            args, kwargs = _to_device((args, kwargs), self._device)
+        root = self._root
+        if self._is_root:
+            if not root._in_iteration:
+                root._in_iteration = True
+                root._prev_pre_forward_order = root._pre_forward_order
+                root._pre_forward_order = []
+                root._post_forward_order = []
+            if self._device.type != "cpu":
+                args, kwargs = _to_device((args, kwargs), self._device)
         handle = self._handle
         grad_enabled = torch.is_grad_enabled()
+        scheduler = self._scheduler
+        position = len(root._pre_forward_order)
+        root._pre_forward_order.append(self)
+        use = None
         if handle is not None:
-            self._scheduler.unshard(handle)
-            self._scheduler.wait_for_unshard(handle)
+            scheduler.unshard(handle)
+            if self._forward_prefetch:
+                _prefetch(scheduler, root._prev_pre_forward_order, position + 1)
+            scheduler.wait_for_unshard(handle)
             flat = self._flat_param
             if grad_enabled and flat.requires_grad:
-                self._set_views(_UnshardedViews.apply(self, flat))
+                use = _Use()
+                self._pending_uses += 1
+                self._set_views(_UnshardedViews.apply(self, use, flat))
             else:
                 self._set_views(handle.views())
+
         output = self._fsdp_wrapped_module(*args, **kwargs)
-        if handle is not None and not (self._is_root and grad_enabled):
+
+        if handle is not None and (
+            not grad_enabled or (self._reshard_after_forward and not self._is_root and self._sync_gradients)
+        ):
             self._reshard()
-        if grad_enabled:
-            tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        if not grad_enabled:
+            if self._is_root:
+                # No backward follows: end the iteration with nothing unsharded
+                # (forward-prefetched units included).
+                root._in_iteration = False
+                for unit in root._units:
+                    if unit._handle is not None and unit._sync_gradients:
+                        unit._reshard()
+            return output
+        if use is None:
+            use = _Use()
+        use.order = root._post_forward_order
+        use.index = len(use.order)
+        use.order.append(self)
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _grad, use=use: self._pre_backward(use), mode="any"
+            )
         return output
 
     # --------------------------------------------------------------- backward
 
-    def _pre_backward(self, _grad: Any) -> None:
+    def _pre_backward(self, use: _Use) -> None:
         root = self._root
         if not root._final_callback_queued:
             root._final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
         if self._handle is not None:
             self._scheduler.unshard(self._handle)
+            if self._backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+                _prefetch(self._scheduler, use.order, use.index - 1)
             self._scheduler.wait_for_unshard(self._handle)
 
-    def _post_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+    def _post_backward(self, use: _Use, grads: tuple[torch.Tensor | None, ...]) -> None:
         handle = self._handle
-        self._scheduler.reduce_grad(handle, list(grads), float(self._world_size))
+        handle.accumulate_grad(list(grads))
+        self._pending_uses -= 1
+        if self._pending_uses > 0 or not self._sync_gradients:
+            return  # another use still needs the parameters, or no_sync()
+        self._reduce_grad()
+        if self._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+            _prefetch(self._scheduler, use.order, use.index - 1)
         self._reshard()
 
+    def _reduce_grad(self) -> None:
+        self._scheduler.reduce_grad(self._handle, self._divide_factor, self._replicate_group is not None)
+
     def _finish_backward(self) -> None:
-        """Root only, end of backward: gradient shards written, nothing unsharded."""
+        """Root only, end of backward: gradient shards written, nothing unsharded (unless no_sync)."""
         self._final_callback_queued = False
+        self._in_iteration = False
+        for unit in self._units:  # the same order on every rank
+            handle = unit._handle
+            unit._pending_uses = 0
+            if handle is not None and unit._sync_gradients and handle.has_unsharded_grad():
+                unit._reduce_grad()  # a use whose post-backward never ran
         self._scheduler.finish_grad_sync()
         for unit in self._units:
-            if unit._handle is not None:
+            if unit._handle is not None and unit._sync_gradients:
                 unit._reshard()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates gradients locally, with no communication, inside the context.
+
+        Call it on the root. The first backward after leaving the context
+        reduces the accumulated gradients once. See [Note: no_sync] for the
+        memory this costs.
+        """
+        if self._is_root is None:
+            self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError(
+                f"FullyShardedDataParallel.no_sync: expected the root unit but '{self._unit_name}' is "
+                f"nested; call no_sync() on the outermost FSDP module."
+            )
+        previous = [(u, u._sync_gradients) for u in self._units]
+        for unit in self._units:
+            unit._sync_gradients = False
+        try:
+            yield
+        finally:
+            for unit, value in previous:
+                unit._sync_gradients = value
 
     # ------------------------------------------------------- torch's methods
 
@@ -480,7 +597,7 @@ class FullyShardedDataParallel(nn.Module):
             m._parameters.pop(attr, None)
         self.register_parameter(_FLAT_PARAM, flat)
         if writeback:
-            begin, end = handle.layout.shard_range(self._rank)
+            begin, end = handle.layout.shard_range(handle.rank)
             with torch.no_grad():
                 flat.copy_(handle.unsharded[begin:end])
         # Parameters a caller kept from inside the context must not read freed
@@ -504,7 +621,6 @@ class FullyShardedDataParallel(nn.Module):
     for _name in (
         "state_dict",
         "load_state_dict",
-        "no_sync",
         "clip_grad_norm_",
         "register_comm_hook",
         "optim_state_dict",
@@ -518,6 +634,100 @@ class FullyShardedDataParallel(nn.Module):
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _prefetch(scheduler: Any, order: list["FullyShardedDataParallel"], index: int) -> None:
+    """Issues the all-gather of ``order[index]`` (if it exists and is sharded) without waiting."""
+    if 0 <= index < len(order):
+        handle = order[index]._handle
+        if handle is not None and handle.state == _SHARDED:
+            scheduler.unshard(handle)
+
+
+def _all_gather_limit(limit_all_gathers: bool) -> int:
+    """In-flight all-gathers allowed: FLATSHARD_ALL_GATHER_LIMIT (default 2), or 0 (unbounded)."""
+    if not limit_all_gathers:
+        return 0
+    raw = os.environ.get("FLATSHARD_ALL_GATHER_LIMIT", "2")
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ValueError(
+            f"FLATSHARD_ALL_GATHER_LIMIT: expected an integer >= 1 but got {raw!r}. Unset it (default 2) "
+            f"or pass limit_all_gathers=False for no limit."
+        )
+    return limit
+
+
+def _resolve_groups(
+    process_group: Any, device_mesh: Any, strategy: ShardingStrategy
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(shard group, replicate group or None) from torch's process_group/device_mesh arguments."""
+    hybrid = strategy in _HYBRID
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError(
+                "FullyShardedDataParallel: expected process_group or device_mesh but got both; pass one."
+            )
+        if hybrid:
+            if device_mesh.ndim != 2:
+                raise ValueError(
+                    f"FullyShardedDataParallel: {strategy}: expected a 2-D device_mesh (replicate, shard) "
+                    f"but got {device_mesh.ndim} dimensions"
+                )
+            return device_mesh.get_group(mesh_dim=1), device_mesh.get_group(mesh_dim=0)
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"FullyShardedDataParallel: {strategy}: expected a 1-D device_mesh but got "
+                f"{device_mesh.ndim} dimensions; 2-D meshes are for HYBRID_SHARD"
+            )
+        return device_mesh.get_group(), None
+    if isinstance(process_group, tuple):
+        if not hybrid:
+            raise ValueError(
+                f"FullyShardedDataParallel: a (shard_group, replicate_group) process_group is for "
+                f"HYBRID_SHARD or _HYBRID_SHARD_ZERO2 but sharding_strategy is {strategy}; pass one group."
+            )
+        if len(process_group) != 2:
+            raise ValueError(
+                f"FullyShardedDataParallel: process_group: expected (shard_group, replicate_group) but got "
+                f"a tuple of {len(process_group)}"
+            )
+        return process_group[0], process_group[1]
+    if hybrid:
+        if process_group is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel: {strategy} needs a (shard_group, replicate_group) tuple or a "
+                f"2-D device_mesh, not one process group; or pass neither to shard within each host."
+            )
+        return _per_host_groups()
+    return (process_group if process_group is not None else dist.group.WORLD), None
+
+
+def _per_host_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Hybrid default: shard within each host, replicate across hosts (every rank builds every group)."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
+        torch.cuda.device_count() if torch.cuda.is_available() else world
+    )
+    if local < 1 or world % local:
+        raise ValueError(
+            f"FullyShardedDataParallel: hybrid sharding per host: expected the world size {world} to be a "
+            f"multiple of the ranks per host ({local}); pass process_group=(shard_group, replicate_group)."
+        )
+    shard = replicate = None
+    for start in range(0, world, local):
+        group = dist.new_group(list(range(start, start + local)))
+        if start <= rank < start + local:
+            shard = group
+    for offset in range(local):
+        group = dist.new_group(list(range(offset, world, local)))
+        if rank % local == offset:
+            replicate = group
+    return shard, replicate
 
 
 def _resolve_device(device_id: int | torch.device | None, module: nn.Module, unit_name: str) -> torch.device:
