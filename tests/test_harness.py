@@ -73,8 +73,11 @@ def _bare_assert_on_rank1(rank, world_size):
 
 
 def _write_pid(pid_dir, rank):
-    with open(os.path.join(pid_dir, f"{rank}.pid"), "w") as f:
+    # Written then renamed, so a rank killed mid-write leaves no partial file.
+    path = os.path.join(pid_dir, f"{rank}.pid")
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
 
 
 def _hang_on_rank1(rank, world_size, pid_dir):
@@ -103,10 +106,15 @@ def _return_unpicklable(rank, world_size):
 
 
 def _assert_all_dead(pid_dir, world_size):
+    # A rank may be killed (because a peer failed) before it wrote its pid:
+    # check every pid that was written, and that at least one was.
     pids = []
     for rank in range(world_size):
-        with open(os.path.join(pid_dir, f"{rank}.pid")) as f:
-            pids.append(int(f.read()))
+        path = os.path.join(pid_dir, f"{rank}.pid")
+        if os.path.exists(path):
+            with open(path) as f:
+                pids.append(int(f.read()))
+    assert pids, "no rank wrote its pid"
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # no such process: killed and reaped

@@ -413,7 +413,9 @@ class FullyShardedDataParallel(nn.Module):
         use.index = len(use.order)
         use.order.append(self)
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
-        if tensors:
+        if len(tensors) == 1:  # the common case, and much cheaper than a multi-grad hook
+            tensors[0].register_hook(lambda _grad, use=use: self._pre_backward(use))
+        elif tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _grad, use=use: self._pre_backward(use), mode="any"
             )
