@@ -1,0 +1,224 @@
+// Scheduler and FlatParam logic over a real c10d ProcessGroup whose backend is
+// `ThreadBackend`: ranks are threads of this process that meet at a barrier
+// (torch's wheel ships no gloo headers to build a gloo group from C++). Calls
+// go through the same c10d dispatch as gloo or NCCL.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "flatshard/collectives.h"
+#include "flatshard/flat_param.h"
+#include "flatshard/scheduler.h"
+
+using flatshard::Collectives;
+using flatshard::FlatParam;
+using flatshard::FlatParamLayout;
+using flatshard::Scheduler;
+using flatshard::ShardedState;
+
+namespace {
+
+// What the ranks of one group share: one input slot per rank and a barrier.
+struct Rendezvous {
+  explicit Rendezvous(int size) : size(size), inputs(size) {}
+  void barrier() {
+    std::unique_lock<std::mutex> lock(mutex);
+    const int gen = generation;
+    if (++arrived == size) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+    } else {
+      cv.wait(lock, [&] { return generation != gen; });
+    }
+  }
+  int size;
+  std::vector<at::Tensor> inputs;
+  std::mutex mutex;
+  std::condition_variable cv;
+  int arrived = 0;
+  int generation = 0;
+};
+
+// Collectives complete before they return.
+class DoneWork : public c10d::Work {
+ public:
+  bool isCompleted() override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+};
+
+class ThreadBackend : public c10d::Backend {
+ public:
+  ThreadBackend(int rank, std::shared_ptr<Rendezvous> rv) : Backend(rank, rv->size), rv_(std::move(rv)) {}
+  const std::string getBackendName() const override { return "thread"; }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions&) override {
+    exchange(in);
+    out.copy_(at::cat(rv_->inputs));
+    rv_->barrier();
+    return c10::make_intrusive<DoneWork>();
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    EXPECT_EQ(opts.reduceOp, c10d::ReduceOp::SUM);
+    exchange(in);
+    at::Tensor sum = at::stack(rv_->inputs).sum(0);
+    out.copy_(sum.chunk(rv_->size)[getRank()]);
+    rv_->barrier();
+    return c10::make_intrusive<DoneWork>();
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    EXPECT_EQ(opts.reduceOp, c10d::ReduceOp::SUM);
+    exchange(tensors[0]);
+    at::Tensor sum = at::stack(rv_->inputs).sum(0);
+    rv_->barrier();
+    tensors[0].copy_(sum);
+    return c10::make_intrusive<DoneWork>();
+  }
+
+ private:
+  void exchange(const at::Tensor& in) {
+    rv_->inputs[getRank()] = in.clone();
+    rv_->barrier();
+  }
+  std::shared_ptr<Rendezvous> rv_;
+};
+
+// Runs fn(rank, group) on `size` threads, each with its own ProcessGroup.
+void run_ranks(int size, const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>)>& fn) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto rv = std::make_shared<Rendezvous>(size);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank]() {
+      auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+      group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM,
+                        c10::make_intrusive<ThreadBackend>(rank, rv));
+      group->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+      fn(rank, group);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Two parameters of 3x2 and 5 elements: 11 elements, padded to 12 for F = 2.
+std::vector<at::Tensor> params() {
+  return {at::arange(6, at::kFloat).view({3, 2}), at::arange(6, 11, at::kFloat)};
+}
+
+}  // namespace
+
+TEST(Scheduler, UnshardWaitReshardAndIdempotence) {
+  run_ranks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    FlatParamLayout layout({{3, 2}, {5}}, 2);
+    FlatParam unit("unit", layout, rank, params());
+    EXPECT_EQ(unit.local_shard().numel(), 6);
+    EXPECT_TRUE(at::equal(unit.local_shard(), at::arange(rank * 6, rank * 6 + 6, at::kFloat)
+                                                  .masked_fill(at::arange(rank * 6, rank * 6 + 6) >= 11, 0)));
+    Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), /*max_in_flight=*/2);
+    EXPECT_EQ(unit.state(), ShardedState::kSharded);
+    EXPECT_FALSE(unit.has_unsharded_storage());
+    scheduler.unshard(unit);
+    scheduler.unshard(unit);  // safe to call twice
+    EXPECT_EQ(unit.state(), ShardedState::kUnsharding);
+    scheduler.wait_for_unshard(unit);
+    scheduler.wait_for_unshard(unit);
+    EXPECT_EQ(unit.state(), ShardedState::kUnsharded);
+    auto views = unit.views();
+    EXPECT_TRUE(at::equal(views[0], params()[0]));
+    EXPECT_TRUE(at::equal(views[1], params()[1]));
+    scheduler.reshard(unit);
+    scheduler.reshard(unit);  // safe to call twice
+    EXPECT_EQ(unit.state(), ShardedState::kSharded);
+    EXPECT_FALSE(unit.has_unsharded_storage());
+    EXPECT_EQ(unit.unsharded().storage().nbytes(), 0u);
+    // wait_for_unshard alone issues the all-gather too.
+    scheduler.wait_for_unshard(unit);
+    EXPECT_TRUE(at::equal(unit.views()[1], params()[1]));
+    // Resharding while the all-gather is in flight waits for it first.
+    scheduler.reshard(unit);
+    scheduler.unshard(unit);
+    scheduler.reshard(unit);
+    EXPECT_EQ(scheduler.pending_all_gathers(), 0);
+    EXPECT_FALSE(unit.has_unsharded_storage());
+  });
+}
+
+TEST(Scheduler, ReduceGradAveragesAccumulatesAndWritesGradShard) {
+  run_ranks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    FlatParamLayout layout({{3, 2}, {5}}, 2);
+    FlatParam unit("unit", layout, rank, params());
+    Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
+    const float r = static_cast<float>(rank + 1);  // rank 0 sends 1s, rank 1 sends 2s
+    // Two uses before the reduction: the flat gradient accumulates (2r), the
+    // second parameter's gradient is missing (zeros) in the first use.
+    unit.accumulate_grad({at::full({3, 2}, r), at::Tensor()});
+    unit.accumulate_grad({at::full({3, 2}, r), at::full({5}, r)});
+    scheduler.reduce_grad(unit, /*divide_factor=*/2.0, /*all_reduce_replicas=*/false);
+    EXPECT_FALSE(unit.has_unsharded_grad());
+    EXPECT_EQ(scheduler.pending_reductions(), 1);
+    scheduler.finish_grad_sync();
+    EXPECT_EQ(scheduler.pending_reductions(), 0);
+    // Average over ranks: param 0 = (2 + 4) / 2 = 3, param 1 = (1 + 2) / 2 = 1.5, padding 0.
+    at::Tensor expected = at::cat({at::full({6}, 3.0f), at::full({5}, 1.5f), at::zeros({1})});
+    const at::Tensor& grad = unit.local_shard().grad();
+    ASSERT_TRUE(grad.defined());
+    EXPECT_TRUE(at::allclose(grad, expected.narrow(0, rank * 6, 6)));
+    // A second reduction accumulates into .grad (accumulation with communication).
+    unit.accumulate_grad({at::full({3, 2}, r), at::full({5}, r)});
+    scheduler.reduce_grad(unit, 2.0, false);
+    scheduler.finish_grad_sync();
+    scheduler.finish_grad_sync();  // nothing pending: a no-op
+    at::Tensor twice = expected + at::cat({at::full({11}, 1.5f), at::zeros({1})});
+    EXPECT_TRUE(at::allclose(unit.local_shard().grad(), twice.narrow(0, rank * 6, 6)));
+  });
+}
+
+TEST(Scheduler, ReplicatedUnitNeedsNoAllGatherAndAllReducesGradients) {
+  run_ranks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    FlatParamLayout layout({{3, 2}, {5}}, 1);  // NO_SHARD: shard factor 1
+    FlatParam unit("unit", layout, 0, params());
+    EXPECT_TRUE(unit.is_replicated());
+    Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
+    scheduler.unshard(unit);
+    EXPECT_EQ(unit.state(), ShardedState::kUnsharded);
+    EXPECT_EQ(scheduler.pending_all_gathers(), 0);
+    EXPECT_TRUE(at::equal(unit.views()[0], params()[0]));
+    // The views alias the shard: an optimizer step on the shard shows in them.
+    unit.local_shard().add_(1);
+    EXPECT_TRUE(at::equal(unit.views()[1], params()[1] + 1));
+    unit.accumulate_grad({at::full({3, 2}, static_cast<float>(rank)), at::full({5}, 4.0f)});
+    scheduler.reduce_grad(unit, 2.0, false);
+    scheduler.finish_grad_sync();
+    at::Tensor expected = at::cat({at::full({6}, 0.5f), at::full({5}, 4.0f)});
+    EXPECT_TRUE(at::allclose(unit.local_shard().grad(), expected));
+  });
+}
+
+TEST(FlatParam, RejectsMismatchedShapesAndNamesTheUnit) {
+  FlatParamLayout layout({{3, 2}}, 2);
+  try {
+    FlatParam unit("blocks.3", layout, 0, {at::zeros({7})});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shape [7] but the layout expects [3, 2]"), std::string::npos);
+  }
+  try {
+    FlatParam unit("blocks.3", layout, 2, {at::zeros({3, 2})});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unit 'blocks.3'"), std::string::npos);
+  }
+}
