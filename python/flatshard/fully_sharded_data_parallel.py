@@ -382,7 +382,7 @@ class FullyShardedDataParallel(nn.Module):
         if handle is not None:
             scheduler.unshard(handle)
             if self._forward_prefetch:
-                _prefetch(scheduler, root._prev_pre_forward_order, position + 1)
+                _prefetch(scheduler, root._prev_pre_forward_order, position + 1, backward=False)
             scheduler.wait_for_unshard(handle)
             flat = self._flat_param
             if grad_enabled and flat.requires_grad:
@@ -431,7 +431,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._handle is not None:
             self._scheduler.unshard(self._handle)
             if self._backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
-                _prefetch(self._scheduler, use.order, use.index - 1)
+                _prefetch(self._scheduler, use.order, use.index - 1, backward=True)
             self._scheduler.wait_for_unshard(self._handle)
 
     def _post_backward(self, use: _Use, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -442,7 +442,7 @@ class FullyShardedDataParallel(nn.Module):
             return  # another use still needs the parameters, or no_sync()
         self._reduce_grad()
         if self._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
-            _prefetch(self._scheduler, use.order, use.index - 1)
+            _prefetch(self._scheduler, use.order, use.index - 1, backward=True)
         self._reshard()
 
     def _reduce_grad(self) -> None:
@@ -638,11 +638,13 @@ class FullyShardedDataParallel(nn.Module):
 # ------------------------------------------------------------------ helpers
 
 
-def _prefetch(scheduler: Any, order: list["FullyShardedDataParallel"], index: int) -> None:
-    """Issues the all-gather of ``order[index]`` (if it exists and is sharded) without waiting."""
+def _prefetch(scheduler: Any, order: list["FullyShardedDataParallel"], index: int, backward: bool) -> None:
+    """Issues the all-gather of ``order[index]`` without waiting, if it exists, is sharded
+    and (in backward) still has a use whose backward has not run."""
     if 0 <= index < len(order):
-        handle = order[index]._handle
-        if handle is not None and handle.state == _SHARDED:
+        unit = order[index]
+        handle = unit._handle
+        if handle is not None and handle.state == _SHARDED and (not backward or unit._pending_uses > 0):
             scheduler.unshard(handle)
 
 
