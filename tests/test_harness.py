@@ -194,7 +194,9 @@ def test_exiting_rank_is_reported(tmp_path):
         run_distributed(_exit3_on_rank1, 2, str(tmp_path), timeout=60)
     assert time.monotonic() - start < 30
     message = str(info.value)
-    assert "rank 1 first" in message
+    # Rank 0 may notice the lost peer (connection reset) before the harness sees
+    # rank 1's exit: which is reported first is a race, that rank 1's exit is not.
+    assert "rank 1" in message or "[0, 1]" in message
     assert "exit code 3" in message
     _assert_all_dead(str(tmp_path), 2)
 
@@ -203,7 +205,7 @@ def test_crashing_rank_is_reported_with_its_stack():
     with pytest.raises(DistributedTestFailure) as info:
         run_distributed(_segfault_on_rank1, 2, timeout=60)
     message = str(info.value)
-    assert "rank 1 first" in message
+    assert "rank 1" in message or "[0, 1]" in message  # see test_exiting_rank_is_reported
     assert "killed by SIGSEGV" in message
     assert "Segmentation fault" in message  # faulthandler's report from the rank's log
     assert "_segfault_on_rank1" in message

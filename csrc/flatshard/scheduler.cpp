@@ -139,6 +139,8 @@ void Scheduler::reduce_grad(FlatParam& unit, double divide_factor, bool all_redu
               divide_factor);
   TORCH_CHECK(!all_reduce_replicas || replicate_.has_value(), "flatshard: unit '", unit.name(),
               "' asks for a replica all-reduce but the scheduler has no replicate group");
+  // See [Note: Reductions in flight].
+  while (!reductions_.empty()) complete_shard_reduction();
   PendingReduction record{&unit, unit.take_unsharded_grad(), at::Tensor(), divide_factor,
                           all_reduce_replicas, CommWork(), CommWork()};
   const c10::Stream compute = current_stream();
@@ -158,41 +160,52 @@ void Scheduler::reduce_grad(FlatParam& unit, double divide_factor, bool all_redu
   reductions_.push_back(std::move(record));
 }
 
-void Scheduler::finish_grad_sync() {
-  if (reductions_.empty()) return;
-  RECORD_USER_SCOPE("flatshard::finish_grad_sync");
-  const c10::Stream compute = current_stream();
-  // Phase 1: shard-group reductions done; replica all-reduces issued behind them.
-  for (PendingReduction& record : reductions_) {
-    {
-      c10::StreamGuard stream_guard(reduce_scatter_stream_);
-      record.shard_work.wait();
-    }
-    if (record.all_reduce_replicas && replicate_->size() > 1) {
-      stream_wait(all_reduce_stream_, reduce_scatter_stream_);
-      c10::StreamGuard stream_guard(all_reduce_stream_);
-      RECORD_USER_SCOPE(record.unit->all_reduce_range());
-      record.replica_work = replicate_->all_reduce_sum(record.grad_shard);
-    }
-  }
-  // Phase 2: divide and accumulate into `.grad`.
+void Scheduler::complete_shard_reduction() {
+  PendingReduction record = std::move(reductions_.front());
+  reductions_.pop_front();
   {
+    c10::StreamGuard stream_guard(reduce_scatter_stream_);
+    record.shard_work.wait();
+  }
+  // The input was allocated on the compute stream and read on the reduce-
+  // scatter stream: the compute stream waits for that before the memory can
+  // go back to its pool (no record_stream).
+  stream_wait(current_stream(), reduce_scatter_stream_);
+  record.flat_grad = at::Tensor();  // (replicated: the output is the same tensor and lives on)
+  if (record.all_reduce_replicas && replicate_->size() > 1) {
+    while (!replica_reductions_.empty()) complete_replica_reduction();
     stream_wait(all_reduce_stream_, reduce_scatter_stream_);
     c10::StreamGuard stream_guard(all_reduce_stream_);
-    for (PendingReduction& record : reductions_) {
-      record.replica_work.wait();
-      at::Tensor& shard_grad = record.grad_shard;
-      if (record.divide_factor != 1.0) shard_grad.div_(record.divide_factor);
-      const at::Tensor& grad = record.unit->local_shard().mutable_grad();
-      if (grad.defined()) {
-        grad.add_(shard_grad);
-      } else {
-        record.unit->local_shard().mutable_grad() = shard_grad;
-      }
-    }
+    RECORD_USER_SCOPE(record.unit->all_reduce_range());
+    record.replica_work = replicate_->all_reduce_sum(record.grad_shard);
   }
-  stream_wait(compute, all_reduce_stream_);
-  reductions_.clear();
+  replica_reductions_.push_back(std::move(record));
+  if (!replica_reductions_.back().replica_work.defined()) complete_replica_reduction();
+}
+
+void Scheduler::complete_replica_reduction() {
+  PendingReduction record = std::move(replica_reductions_.front());
+  replica_reductions_.pop_front();
+  stream_wait(all_reduce_stream_, reduce_scatter_stream_);
+  c10::StreamGuard stream_guard(all_reduce_stream_);
+  record.replica_work.wait();
+  at::Tensor& shard_grad = record.grad_shard;
+  if (record.divide_factor != 1.0) shard_grad.div_(record.divide_factor);
+  const at::Tensor& grad = record.unit->local_shard().mutable_grad();
+  if (grad.defined()) {
+    grad.add_(shard_grad);
+  } else {
+    record.unit->local_shard().mutable_grad() = shard_grad;
+  }
+  // `.grad` is read, and a dropped shard_grad's memory reused, in compute-stream order.
+  stream_wait(current_stream(), all_reduce_stream_);
+}
+
+void Scheduler::finish_grad_sync() {
+  if (reductions_.empty() && replica_reductions_.empty()) return;
+  RECORD_USER_SCOPE("flatshard::finish_grad_sync");
+  while (!reductions_.empty()) complete_shard_reduction();
+  while (!replica_reductions_.empty()) complete_replica_reduction();
 }
 
 }  // namespace flatshard

@@ -18,6 +18,15 @@
 // are no events and one stream: a collective runs on the process group's own
 // thread (gloo), overlapping the host's compute, and the consumer waits on the
 // collective's work object instead of an event.
+//
+// [Note: Reductions in flight]
+// A reduction holds the unit's unsharded flat gradient (its input) until it
+// completes. Keeping them all until the end of backward would hold a whole
+// unsharded model gradient, so at most one reduction is in flight per stage:
+// issuing the next unit's reduce-scatter first completes the previous one
+// (divide, accumulate into `.grad`, drop the input), and likewise for the
+// replica all-reduces of hybrid sharding. Unit i's reduction still overlaps
+// unit i-1's backward compute.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -70,12 +79,14 @@ class Scheduler {
   // issues its reduction: reduce-scatter over the shard group (all-reduce if
   // the unit is replicated), then, with `all_reduce_replicas`, all-reduce of
   // the shard over the replicate group. SUM, divided by `divide_factor`, is
-  // accumulated into the local shard's `.grad` by finish_grad_sync().
-  // Non-blocking.
+  // accumulated into the local shard's `.grad`. See [Note: Reductions in
+  // flight]: first completes the previous reduction, which may block.
   void reduce_grad(FlatParam& unit, double divide_factor, bool all_reduce_replicas);
   // Waits for every pending reduction and writes the gradient shards. Blocks.
   void finish_grad_sync();
-  std::int64_t pending_reductions() const { return static_cast<std::int64_t>(reductions_.size()); }
+  std::int64_t pending_reductions() const {
+    return static_cast<std::int64_t>(reductions_.size() + replica_reductions_.size());
+  }
   std::int64_t pending_all_gathers() const { return static_cast<std::int64_t>(all_gathers_.size()); }
   const RateLimiter& limiter() const { return limiter_; }
 
@@ -90,6 +101,10 @@ class Scheduler {
     CommWork replica_work;  // all-reduce over the replicate group
   };
 
+  // Shard-group reduction done: divide, or hand over to the replica all-reduce.
+  void complete_shard_reduction();
+  // Replica all-reduce done (or none needed): accumulate into `.grad`.
+  void complete_replica_reduction();
   // Makes `waiter` wait for everything queued so far on `signaller`.
   void stream_wait(const c10::Stream& waiter, const c10::Stream& signaller);
   c10::Stream current_stream() const;
@@ -104,7 +119,8 @@ class Scheduler {
   c10::Stream all_reduce_stream_;      // lets the replica all-reduce overlap the next reduce-scatter
   RateLimiter limiter_;
   std::unordered_map<const FlatParam*, CommWork> all_gathers_;
-  std::deque<PendingReduction> reductions_;
+  std::deque<PendingReduction> reductions_;          // shard-group stage, at most one
+  std::deque<PendingReduction> replica_reductions_;  // replicate-group stage, at most one
 };
 
 }  // namespace flatshard
