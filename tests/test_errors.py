@@ -139,3 +139,15 @@ def test_bad_argument_values(single_rank):
         FSDP(nn.Linear(2, 2), auto_wrap_policy=3)
     with pytest.raises(ValueError, match="already wrapped"):
         FSDP(FSDP(nn.Linear(2, 2)))
+
+
+def test_module_tree_stays_a_tree_after_forward(single_rank):
+    # The root is not registered as a child of its units: eval(), apply() and
+    # named_children() must not see a cycle after lazy init.
+    model = FSDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    model(torch.ones(1, 2)).sum().backward()
+    model.eval()
+    assert not model.training and not model.module[0].module.training
+    model.train()
+    assert [name for name, _ in model.module[0].named_children()] == ["_fsdp_wrapped_module"]
+    assert sum(1 for _ in model.modules()) == 6  # root, Sequential, 2 units, 2 Linears

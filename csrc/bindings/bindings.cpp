@@ -15,6 +15,18 @@ using flatshard::FlatParam;
 using flatshard::FlatParamLayout;
 using flatshard::Scheduler;
 
+namespace {
+
+// None (a parameter that got no gradient) becomes an undefined tensor: zeros.
+std::vector<at::Tensor> undefined_for_none(const std::vector<std::optional<at::Tensor>>& grads) {
+  std::vector<at::Tensor> out;
+  out.reserve(grads.size());
+  for (const auto& g : grads) out.push_back(g.has_value() ? *g : at::Tensor());
+  return out;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "flatshard runtime: flat parameter layout and storage, collective scheduler";
 
@@ -79,11 +91,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "accumulate_grad",
           [](FlatParam& self, const std::vector<std::optional<at::Tensor>>& grads) {
-            // None (a parameter that got no gradient) counts as zeros.
-            std::vector<at::Tensor> defined;
-            defined.reserve(grads.size());
-            for (const auto& g : grads) defined.push_back(g.has_value() ? *g : at::Tensor());
-            self.accumulate_grad(defined);
+            self.accumulate_grad(undefined_for_none(grads));
           },
           py::arg("grads"))
       .def("has_unsharded_grad", &FlatParam::has_unsharded_grad)
@@ -109,6 +117,16 @@ PYBIND11_MODULE(_C, m) {
       .def("reshard", &Scheduler::reshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
       .def("reduce_grad", &Scheduler::reduce_grad, py::arg("unit"), py::arg("divide_factor"),
            py::arg("all_reduce_replicas"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "post_backward",
+          [](Scheduler& self, FlatParam& unit, const std::vector<std::optional<at::Tensor>>& grads,
+             bool reduce, double divide_factor, bool all_reduce_replicas) {
+            std::vector<at::Tensor> defined = undefined_for_none(grads);
+            py::gil_scoped_release no_gil;
+            self.post_backward(unit, defined, reduce, divide_factor, all_reduce_replicas);
+          },
+          py::arg("unit"), py::arg("grads"), py::arg("reduce"), py::arg("divide_factor"),
+          py::arg("all_reduce_replicas"))
       .def("finish_grad_sync", &Scheduler::finish_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pending_reductions", &Scheduler::pending_reductions)
       .def_property_readonly("pending_all_gathers", &Scheduler::pending_all_gathers)

@@ -160,6 +160,15 @@ void Scheduler::reduce_grad(FlatParam& unit, double divide_factor, bool all_redu
   reductions_.push_back(std::move(record));
 }
 
+void Scheduler::post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce,
+                              double divide_factor, bool all_reduce_replicas) {
+  if (reduce) {
+    while (!reductions_.empty()) complete_shard_reduction();
+  }
+  unit.accumulate_grad(grads);
+  if (reduce) reduce_grad(unit, divide_factor, all_reduce_replicas);
+}
+
 void Scheduler::complete_shard_reduction() {
   PendingReduction record = std::move(reductions_.front());
   reductions_.pop_front();

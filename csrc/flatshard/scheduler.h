@@ -82,6 +82,13 @@ class Scheduler {
   // accumulated into the local shard's `.grad`. See [Note: Reductions in
   // flight]: first completes the previous reduction, which may block.
   void reduce_grad(FlatParam& unit, double divide_factor, bool all_reduce_replicas);
+  // A unit's post-backward in one call: accumulates `grads` (one per original
+  // parameter, undefined for none) into its unsharded flat gradient and, with
+  // `reduce`, issues its reduction (reduce_grad). The previous reduction is
+  // completed before the gradients are flattened, so its buffers are gone
+  // before new ones are allocated. May block on that reduction.
+  void post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce,
+                     double divide_factor, bool all_reduce_replicas);
   // Waits for every pending reduction and writes the gradient shards. Blocks.
   void finish_grad_sync();
   std::int64_t pending_reductions() const {

@@ -347,7 +347,8 @@ class FullyShardedDataParallel(nn.Module):
         )
         for name, unit in units:
             unit._is_root = unit is self
-            unit._root = self
+            # Not a submodule: through __dict__, so the module tree stays a tree.
+            unit.__dict__["_root"] = self
             unit._scheduler = scheduler
             unit._unit_name = name
             if unit._handle is not None:
@@ -435,12 +436,14 @@ class FullyShardedDataParallel(nn.Module):
             self._scheduler.wait_for_unshard(self._handle)
 
     def _post_backward(self, use: _Use, grads: tuple[torch.Tensor | None, ...]) -> None:
-        handle = self._handle
-        handle.accumulate_grad(list(grads))
         self._pending_uses -= 1
-        if self._pending_uses > 0 or not self._sync_gradients:
-            return  # another use still needs the parameters, or no_sync()
-        self._reduce_grad()
+        # Reduce once no other use still needs the parameters, unless in no_sync().
+        reduce = self._pending_uses <= 0 and self._sync_gradients
+        self._scheduler.post_backward(
+            self._handle, list(grads), reduce, self._divide_factor, self._replicate_group is not None
+        )
+        if not reduce:
+            return
         if self._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             _prefetch(self._scheduler, use.order, use.index - 1, backward=True)
         self._reshard()
