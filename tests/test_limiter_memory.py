@@ -116,3 +116,57 @@ def test_counter_sees_every_unit():
             f"rank {rank}: SHARD_GRAD_OP peaks {r['peaks']} below the sum of all units ({total} bytes)"
         )
         assert r["between"] == [0] * STEPS, f"rank {rank}: unsharded bytes between steps: {r['between']}"
+
+
+def _back_to_back_all_gathers(rank: int, world_size: int, limit: str | None) -> dict:
+    """Issues three all-gathers back to back while rank 1 holds the first one up.
+
+    With a limit of 1 the second all-gather cannot be issued before the first
+    completes, and the first cannot complete before rank 1 joins it: rank 0
+    must stall in the limiter, inside a ``flatshard::rate_limit_wait`` range.
+    """
+    import os
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    if limit is None:
+        limit_all_gathers = False
+    else:
+        os.environ["FLATSHARD_ALL_GATHER_LIMIT"] = limit
+        limit_all_gathers = True
+    model = FSDP(
+        make_gpt(n_layers=3),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        device_id=torch.device("cpu"),
+        limit_all_gathers=limit_all_gathers,
+    )
+    with torch.no_grad():
+        model(local_slice(make_batch(), rank, world_size)[0])  # lazy init; nothing stays unsharded
+    scheduler = model._scheduler
+    handles = [model.module.blocks[i]._handle for i in range(3)]
+    before = scheduler.limiter_stalls
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        if rank == 1:
+            time.sleep(0.5)
+        for handle in handles:
+            scheduler.unshard(handle)
+        for handle in handles:
+            scheduler.wait_for_unshard(handle)
+    for handle in handles:
+        scheduler.reshard(handle)
+    waits = sum(1 for e in prof.events() if e.name == "flatshard::rate_limit_wait")
+    return {"stalls": scheduler.limiter_stalls - before, "waits": waits}
+
+
+def test_limiter_stalls_the_host_and_shows_in_the_trace():
+    rank0 = run_distributed(_back_to_back_all_gathers, WORLD_SIZE, "1")[0]
+    assert rank0["stalls"] >= 1 and rank0["waits"] >= 1, (
+        f"FLATSHARD_ALL_GATHER_LIMIT=1, three all-gathers issued back to back while the peer held "
+        f"the first up: rank 0 stalled {rank0['stalls']} time(s) in {rank0['waits']} "
+        f"flatshard::rate_limit_wait range(s); expected >= 1 of each"
+    )
+    unlimited = run_distributed(_back_to_back_all_gathers, WORLD_SIZE, None)[0]
+    assert unlimited == {"stalls": 0, "waits": 0}, f"limit_all_gathers=False: {unlimited}"

@@ -30,15 +30,23 @@ class EventFence final : public Fence {
 };
 
 // On the CPU a buffer is busy while the all-gather into it runs on the
-// process group's thread: its fence is the collective's completion.
+// process group's thread: its fence is the collective's completion. It
+// watches the work without owning it: once the scheduler waited on and
+// dropped the work (which may hold the backend's temporary buffers, gloo's
+// flat copy of the output for one), the fence is complete.
 class WorkFence final : public Fence {
  public:
-  explicit WorkFence(CommWork work) : work_(std::move(work)) {}
-  bool is_completed() const override { return work_.is_completed(); }
-  void wait() override { work_.wait(); }
+  explicit WorkFence(std::weak_ptr<CommWork> work) : work_(std::move(work)) {}
+  bool is_completed() const override {
+    auto work = work_.lock();
+    return !work || work->is_completed();
+  }
+  void wait() override {
+    if (auto work = work_.lock()) work->wait();
+  }
 
  private:
-  CommWork work_;
+  std::weak_ptr<CommWork> work_;
 };
 
 }  // namespace
@@ -67,7 +75,17 @@ void Scheduler::stream_wait(const c10::Stream& waiter, const c10::Stream& signal
   event.block(waiter);
 }
 
+void Scheduler::reap_completed_reductions() {
+  while (!reductions_.empty() && reductions_.front().shard_work.is_completed()) {
+    complete_shard_reduction();
+  }
+  while (!replica_reductions_.empty() && replica_reductions_.front().replica_work.is_completed()) {
+    complete_replica_reduction();
+  }
+}
+
 void Scheduler::unshard(FlatParam& unit) {
+  reap_completed_reductions();
   if (unit.state() != ShardedState::kSharded) return;
   if (unit.is_replicated()) {
     unit.set_state(ShardedState::kUnsharded);
@@ -84,7 +102,7 @@ void Scheduler::unshard(FlatParam& unit) {
   unit.alloc_unsharded();
   at::Tensor output = unit.all_gather_target();
   at::Tensor input = unit.local_shard().detach();  // the collective must not see autograd
-  CommWork work = shard_.all_gather(output, input);
+  auto work = std::make_shared<CommWork>(shard_.all_gather(output, input));
   if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
   all_gathers_[&unit] = std::move(work);
   unit.set_state(ShardedState::kUnsharding);
@@ -101,7 +119,7 @@ void Scheduler::wait_for_unshard(FlatParam& unit) {
                         unit.name(), "'");
   {
     c10::StreamGuard stream_guard(all_gather_stream_);
-    it->second.wait();
+    it->second->wait();
   }
   all_gathers_.erase(it);
   stream_wait(compute, all_gather_stream_);
@@ -120,7 +138,7 @@ void Scheduler::reshard(FlatParam& unit) {
     auto it = all_gathers_.find(&unit);
     if (it != all_gathers_.end()) {
       c10::StreamGuard stream_guard(all_gather_stream_);
-      it->second.wait();
+      it->second->wait();
       all_gathers_.erase(it);
     }
     stream_wait(current_stream(), all_gather_stream_);
@@ -164,6 +182,8 @@ void Scheduler::post_backward(FlatParam& unit, const std::vector<at::Tensor>& gr
                               double divide_factor, bool all_reduce_replicas) {
   if (reduce) {
     while (!reductions_.empty()) complete_shard_reduction();
+    // Every use's backward ran: the parameters go before the flat gradient comes.
+    reshard(unit);
   }
   unit.accumulate_grad(grads);
   if (reduce) reduce_grad(unit, divide_factor, all_reduce_replicas);

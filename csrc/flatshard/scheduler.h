@@ -26,7 +26,8 @@
 // issuing the next unit's reduce-scatter first completes the previous one
 // (divide, accumulate into `.grad`, drop the input), and likewise for the
 // replica all-reduces of hybrid sharding. Unit i's reduction still overlaps
-// unit i-1's backward compute.
+// unit i-1's backward compute. Reductions found complete earlier (unshard()
+// checks, without blocking) are completed then.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -35,6 +36,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -84,9 +86,11 @@ class Scheduler {
   void reduce_grad(FlatParam& unit, double divide_factor, bool all_reduce_replicas);
   // A unit's post-backward in one call: accumulates `grads` (one per original
   // parameter, undefined for none) into its unsharded flat gradient and, with
-  // `reduce`, issues its reduction (reduce_grad). The previous reduction is
-  // completed before the gradients are flattened, so its buffers are gone
-  // before new ones are allocated. May block on that reduction.
+  // `reduce` (no use of the unit is left in this backward), issues its
+  // reduction (reduce_grad). With `reduce`, the previous reduction is
+  // completed and the unit resharded before the gradients are flattened, so
+  // those buffers are gone before new ones are allocated. May block on that
+  // reduction.
   void post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce,
                      double divide_factor, bool all_reduce_replicas);
   // Waits for every pending reduction and writes the gradient shards. Blocks.
@@ -108,6 +112,10 @@ class Scheduler {
     CommWork replica_work;  // all-reduce over the replicate group
   };
 
+  // Completes, without blocking, the reductions whose collectives are done, so
+  // their buffers (and the backend's copies, gloo's clone of the input for
+  // one) go as early as the host notices. Called from unshard().
+  void reap_completed_reductions();
   // Shard-group reduction done: divide, or hand over to the replica all-reduce.
   void complete_shard_reduction();
   // Replica all-reduce done (or none needed): accumulate into `.grad`.
@@ -125,7 +133,8 @@ class Scheduler {
   c10::Stream reduce_scatter_stream_;  // lets gradient reduction overlap earlier layers' backward
   c10::Stream all_reduce_stream_;      // lets the replica all-reduce overlap the next reduce-scatter
   RateLimiter limiter_;
-  std::unordered_map<const FlatParam*, CommWork> all_gathers_;
+  // Shared so that the limiter's fences can watch them weakly.
+  std::unordered_map<const FlatParam*, std::shared_ptr<CommWork>> all_gathers_;
   std::deque<PendingReduction> reductions_;          // shard-group stage, at most one
   std::deque<PendingReduction> replica_reductions_;  // replicate-group stage, at most one
 };

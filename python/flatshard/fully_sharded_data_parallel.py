@@ -7,16 +7,17 @@ creates one ``Scheduler`` (C++) shared by all units below it.
 
 [Note: Unit lifecycle]
 forward (per call of a unit):
-  unshard (+ forward prefetch: the unit that came next in the previous
-  iteration's pre-forward order) -> wait -> hand the original parameters out
+  unshard -> wait (+ forward prefetch: the unit that came next in the previous
+  iteration's pre-forward order) -> hand the original parameters out
   as views of the unsharded buffer -> run the module -> reshard if the
   strategy reshards after forward (FULL_SHARD, HYBRID_SHARD; never the root
   while grad is enabled, its backward starts right away; always when grad is
   disabled) -> hook the outputs' gradients
 backward, per use of a unit, in reverse:
   pre-backward (first gradient w.r.t. the use's outputs): unshard + wait
-  (+ BACKWARD_PRE: all-gather the unit that ran before it in this iteration's
-  post-forward order, i.e. the next one in backward)
+  (+ BACKWARD_PRE: then all-gather the unit that ran before it in this
+  iteration's post-forward order, i.e. the next one in backward; it is still
+  issued before this unit's reduce-scatter)
   post-backward (backward of ``_UnshardedViews``, once every view's gradient
   is complete): accumulate the gradients into the unit's flat gradient (see
   [Note: Gradient accumulation] in csrc/flatshard/flat_param.h); when no
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from typing import Any, Callable, Iterable, Iterator
 
@@ -381,10 +383,12 @@ class FullyShardedDataParallel(nn.Module):
         root._pre_forward_order.append(self)
         use = None
         if handle is not None:
-            scheduler.unshard(handle)
+            # Waiting first lets the backend drop its temporaries for this
+            # all-gather before the next one is issued (on devices with
+            # events the wait only orders streams: no overlap is lost).
+            scheduler.wait_for_unshard(handle)
             if self._forward_prefetch:
                 _prefetch(scheduler, root._prev_pre_forward_order, position + 1, backward=False)
-            scheduler.wait_for_unshard(handle)
             flat = self._flat_param
             if grad_enabled and flat.requires_grad:
                 use = _Use()
@@ -430,10 +434,9 @@ class FullyShardedDataParallel(nn.Module):
             root._final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
         if self._handle is not None:
-            self._scheduler.unshard(self._handle)
+            self._scheduler.wait_for_unshard(self._handle)  # see forward() on the order
             if self._backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
                 _prefetch(self._scheduler, use.order, use.index - 1, backward=True)
-            self._scheduler.wait_for_unshard(self._handle)
 
     def _post_backward(self, use: _Use, grads: tuple[torch.Tensor | None, ...]) -> None:
         self._pending_uses -= 1
@@ -611,6 +614,57 @@ class FullyShardedDataParallel(nn.Module):
             p.data = p.data.new_empty(0)
         self._reshard()
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
+        """Clips the gradient norm of every parameter, viewed as one vector, in place.
+
+        Call it on the root, after backward. The norm combines the local
+        gradient shards over the shard group (a collective: every rank must
+        call it); a replicated unit's gradient (NO_SHARD), and ignored modules'
+        gradients, count once. Returns the total norm (same on every rank).
+        ``torch.nn.utils.clip_grad_norm_`` on ``model.parameters()`` would see
+        only this rank's shards.
+        """
+        if self._is_root is None:
+            self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError(
+                f"FullyShardedDataParallel.clip_grad_norm_: expected the root unit but '{self._unit_name}' "
+                f"is nested; call it on the outermost FSDP module."
+            )
+        norm_type = float(norm_type)
+        sharded, replicated = [], []
+        managed = set()
+        for unit in self._units:
+            if unit._handle is None:
+                continue
+            managed.add(id(unit._flat_param))
+            if unit._flat_param.grad is not None:
+                (replicated if unit._handle.is_replicated else sharded).append(unit._flat_param.grad)
+        replicated += [p.grad for p in self.parameters() if id(p) not in managed and p.grad is not None]
+        grads = sharded + replicated
+        dtype = grads[0].dtype if grads else torch.float32
+        for g in grads[1:]:
+            dtype = torch.promote_types(dtype, g.dtype)
+
+        def local(gs: list[torch.Tensor]) -> torch.Tensor:
+            if not gs:
+                return torch.zeros((), device=self._device)
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in gs])
+            return norms.max() if norm_type == math.inf else (norms**norm_type).sum()
+
+        shard_part, replicated_part = local(sharded), local(replicated)
+        if norm_type == math.inf:
+            dist.all_reduce(shard_part, op=dist.ReduceOp.MAX, group=self._process_group)
+            total = torch.maximum(shard_part, replicated_part)
+        else:
+            dist.all_reduce(shard_part, group=self._process_group)
+            total = (shard_part + replicated_part) ** (1.0 / norm_type)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total.to(dtype)
+
     def _not_yet(name: str) -> Callable:  # noqa: N805 - builds methods below
         def method(self, *args: Any, **kwargs: Any) -> Any:
             raise NotImplementedError(
@@ -626,7 +680,6 @@ class FullyShardedDataParallel(nn.Module):
     for _name in (
         "state_dict",
         "load_state_dict",
-        "clip_grad_norm_",
         "register_comm_hook",
         "optim_state_dict",
         "full_optim_state_dict",
