@@ -95,6 +95,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("grads"))
       .def("has_unsharded_grad", &FlatParam::has_unsharded_grad)
+      .def("drop_unsharded_grad", &FlatParam::drop_unsharded_grad)
       .def_property_readonly("unsharded_grad", &FlatParam::unsharded_grad);
 
   py::class_<Scheduler>(m, "Scheduler", "Stream-ordered collectives shared by the units of one root.")
@@ -128,6 +129,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("unit"), py::arg("grads"), py::arg("reduce"), py::arg("divide_factor"),
           py::arg("all_reduce_replicas"))
       .def("finish_grad_sync", &Scheduler::finish_grad_sync, py::call_guard<py::gil_scoped_release>())
+      .def("abort_grad_sync", &Scheduler::abort_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pending_reductions", &Scheduler::pending_reductions)
       .def_property_readonly("pending_all_gathers", &Scheduler::pending_all_gathers)
       .def_property_readonly("limiter_stalls",

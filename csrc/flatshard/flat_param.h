@@ -112,6 +112,8 @@ class FlatParam {
   const at::Tensor& unsharded_grad() const { return unsharded_grad_; }
   // Hands the unsharded flat gradient over (to the reduction) and forgets it.
   at::Tensor take_unsharded_grad();
+  // Forgets the unsharded flat gradient, if any (a backward that raised).
+  void drop_unsharded_grad() { unsharded_grad_ = at::Tensor(); }
 
   // Views of the unsharded buffer; the buffer must have storage.
   std::vector<at::Tensor> views() const { return views_of(unsharded_, layout_); }

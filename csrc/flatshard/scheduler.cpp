@@ -237,4 +237,17 @@ void Scheduler::finish_grad_sync() {
   while (!replica_reductions_.empty()) complete_replica_reduction();
 }
 
+void Scheduler::abort_grad_sync() {
+  for (auto* queue : {&reductions_, &replica_reductions_}) {
+    for (PendingReduction& record : *queue) {
+      record.shard_work.wait();
+      record.replica_work.wait();
+    }
+    queue->clear();
+  }
+  for (auto& [unit, work] : all_gathers_) work->wait();
+  stream_wait(current_stream(), reduce_scatter_stream_);
+  stream_wait(current_stream(), all_reduce_stream_);
+}
+
 }  // namespace flatshard

@@ -95,6 +95,10 @@ class Scheduler {
                      double divide_factor, bool all_reduce_replicas);
   // Waits for every pending reduction and writes the gradient shards. Blocks.
   void finish_grad_sync();
+  // After a backward that raised: waits for every pending reduction (the
+  // collectives were issued and must complete) and discards its result.
+  // Blocks. `.grad` keeps what earlier completed reductions wrote.
+  void abort_grad_sync();
   std::int64_t pending_reductions() const {
     return static_cast<std::int64_t>(reductions_.size() + replica_reductions_.size());
   }

@@ -28,6 +28,17 @@ end of backward (root's queued callback): reduce what is left, wait for every
   everything (unless inside ``no_sync()``).
 Between iterations only local shards (parameters and gradients) are alive.
 
+[Note: Recomputation]
+Activation checkpointing reruns module code during backward. Inside a unit
+(checkpointed blocks, then FSDP): the rerun reads the module attributes, so
+pre-backward hands out fresh autograd views of the re-gathered buffer
+through a speculative use; if its backward runs (reentrant checkpointing
+backpropagates through the rerun) it is a post-backward like any other, but
+it never holds a reduction back. Around a unit (``checkpoint(unit, x)``): the
+unit's own forward runs during backward; it is a recomputation: views as
+above, no new pending use, no hooks, no reshard (the graph being
+backpropagated needs the parameters).
+
 [Note: no_sync]
 Inside ``no_sync()`` no collective runs in backward: units stay unsharded
 from their first forward on (so backward needs no all-gather) and their
@@ -41,9 +52,11 @@ in backward instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -51,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard import _C
-from flatshard.api import BackwardPrefetch, CPUOffload, ShardingStrategy
+from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from flatshard.wrap import _plan_wraps
 
 __all__ = ["FullyShardedDataParallel"]
@@ -68,7 +81,7 @@ _OWNER_ATTR = "_flatshard_owner"
 # value that means "not used". A non-default value raises NotImplementedError.
 _NOT_YET = {
     "cpu_offload": (None, CPUOffload(offload_params=False)),
-    "mixed_precision": (None,),
+    "mixed_precision": (None, MixedPrecision()),
     "param_init_fn": (None,),
     "sync_module_states": (False,),
     "use_orig_params": (False,),
@@ -88,13 +101,23 @@ def _join(prefix: str, name: str) -> str:
 
 
 class _Use:
-    """One grad-enabled forward call of a unit: where it sits in the post-forward order."""
+    """One use of a unit's parameters by autograd.
 
-    __slots__ = ("order", "index")
+    Made by a grad-enabled forward call (its place in the post-forward order
+    is recorded for backward prefetch), or speculatively when views are handed
+    out again during backward (see [Note: Recomputation]). Only the use's
+    graph refers to it (the ``_UnshardedViews`` node and the pre-backward
+    hook), so it dies with the graph: a unit's pending uses are its live,
+    non-speculative uses whose post-backward has not run.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("order", "index", "done", "speculative", "__weakref__")
+
+    def __init__(self, speculative: bool = False) -> None:
         self.order: list[FullyShardedDataParallel] = []
         self.index = -1
+        self.done = False
+        self.speculative = speculative
 
 
 class _UnshardedViews(torch.autograd.Function):
@@ -246,8 +269,8 @@ class FullyShardedDataParallel(nn.Module):
         self._scheduler: Any = None
         self._units: list[FullyShardedDataParallel] = []
         self._in_summon = False
-        # Per unit, per backward: uses whose post-backward has not run yet.
-        self._pending_uses = 0
+        # Live uses of this unit's parameters (see _Use).
+        self._uses: weakref.WeakSet[_Use] = weakref.WeakSet()
         self._sync_gradients = True
         # Root only, per iteration (see [Note: Unit lifecycle]).
         self._final_callback_queued = False
@@ -263,7 +286,11 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         """Collects the unit's parameters, materializes and moves them, flattens and shards."""
         unit_modules = list(_unit_modules(module, ignored))
-        _materialize_meta(unit_modules, self._device, self._unit_name)
+        meta_originals = _materialize_meta(unit_modules, self._device, self._unit_name)
+        for _, m in unit_modules:  # buffers go where the parameters go (torch moves the whole module)
+            for attr, b in m._buffers.items():
+                if b is not None and b.device != self._device:
+                    m._buffers[attr] = b.to(self._device)
 
         params: list[nn.Parameter] = []
         names: list[str] = []
@@ -298,6 +325,8 @@ class FullyShardedDataParallel(nn.Module):
         _check_uniform(params, names, self._unit_name)
         for p, fqn in zip(params, names):
             setattr(p, _OWNER_ATTR, (self._unit_name, fqn))
+            if id(p) in meta_originals:  # other units may still hold the meta original
+                setattr(meta_originals[id(p)], _OWNER_ATTR, (self._unit_name, fqn))
         if params[0].device != self._device:
             with torch.no_grad():
                 for p in params:
@@ -338,6 +367,13 @@ class FullyShardedDataParallel(nn.Module):
                     )
                 units.append((_clean_name(name), m))
         for name, unit in units:
+            for attr, what in (("_device", "device_id"), ("_limit_all_gathers", "limit_all_gathers")):
+                if getattr(unit, attr) != getattr(self, attr):
+                    raise ValueError(
+                        f"FullyShardedDataParallel: unit '{name}' has {what}={getattr(unit, attr)} but its root "
+                        f"has {getattr(self, attr)}; the units of one root share one runtime. Wrap them "
+                        f"with the same {what}."
+                    )
             if unit._process_group is not self._process_group or unit._replicate_group is not self._replicate_group:
                 raise NotImplementedError(
                     f"FullyShardedDataParallel: unit '{name}' uses other process groups than its root; "
@@ -367,8 +403,12 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel: forward() inside summon_full_params() is not supported; "
                 "leave the context first."
             )
+        if _in_backward():
+            return self._recompute(args, kwargs)
         root = self._root
         if self._is_root:
+            if root._final_callback_queued:
+                root._abort_backward()
             if not root._in_iteration:
                 root._in_iteration = True
                 root._prev_pre_forward_order = root._pre_forward_order
@@ -392,7 +432,7 @@ class FullyShardedDataParallel(nn.Module):
             flat = self._flat_param
             if grad_enabled and flat.requires_grad:
                 use = _Use()
-                self._pending_uses += 1
+                self._uses.add(use)
                 self._set_views(_UnshardedViews.apply(self, use, flat))
             else:
                 self._set_views(handle.views())
@@ -417,31 +457,53 @@ class FullyShardedDataParallel(nn.Module):
         use.order = root._post_forward_order
         use.index = len(use.order)
         use.order.append(self)
+        # The hook keeps the order and the index, not the use: only the views'
+        # node may keep a use alive (a node that cannot run is no pending use).
+        hook = functools.partial(self._pre_backward, use.order, use.index)
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if len(tensors) == 1:  # the common case, and much cheaper than a multi-grad hook
-            tensors[0].register_hook(lambda _grad, use=use: self._pre_backward(use))
+            tensors[0].register_hook(hook)
         elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda _grad, use=use: self._pre_backward(use), mode="any"
-            )
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return output
+
+    def _recompute(self, args: tuple, kwargs: dict) -> Any:
+        """forward() during backward: activation checkpointing reruns this unit (see [Note: Recomputation])."""
+        if self._handle is not None:
+            self._scheduler.wait_for_unshard(self._handle)
+            self._hand_out_views()
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def _hand_out_views(self) -> None:
+        """Fresh autograd views of the unsharded buffer, through a speculative use (see [Note: Recomputation])."""
+        if not self._flat_param.requires_grad:
+            self._set_views(self._handle.views())
+            return
+        use = _Use(speculative=True)
+        self._uses.add(use)
+        with torch.enable_grad():
+            self._set_views(_UnshardedViews.apply(self, use, self._flat_param))
+
+    def _has_pending_uses(self) -> bool:
+        return any(not u.done and not u.speculative for u in self._uses)
 
     # --------------------------------------------------------------- backward
 
-    def _pre_backward(self, use: _Use) -> None:
+    def _pre_backward(self, order: list["FullyShardedDataParallel"], index: int, _grad: Any = None) -> None:
         root = self._root
         if not root._final_callback_queued:
             root._final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
         if self._handle is not None:
             self._scheduler.wait_for_unshard(self._handle)  # see forward() on the order
+            self._hand_out_views()
             if self._backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
-                _prefetch(self._scheduler, use.order, use.index - 1, backward=True)
+                _prefetch(self._scheduler, order, index - 1, backward=True)
 
     def _post_backward(self, use: _Use, grads: tuple[torch.Tensor | None, ...]) -> None:
-        self._pending_uses -= 1
+        use.done = True
         # Reduce once no other use still needs the parameters, unless in no_sync().
-        reduce = self._pending_uses <= 0 and self._sync_gradients
+        reduce = self._sync_gradients and not self._has_pending_uses()
         self._scheduler.post_backward(
             self._handle, list(grads), reduce, self._divide_factor, self._replicate_group is not None
         )
@@ -460,7 +522,8 @@ class FullyShardedDataParallel(nn.Module):
         self._in_iteration = False
         for unit in self._units:  # the same order on every rank
             handle = unit._handle
-            unit._pending_uses = 0
+            for use in list(unit._uses):
+                use.done = True  # a later backward through a kept graph is a new reduction
             if handle is not None and unit._sync_gradients and handle.has_unsharded_grad():
                 unit._reduce_grad()  # a use whose post-backward never ran
         self._scheduler.finish_grad_sync()
@@ -468,12 +531,39 @@ class FullyShardedDataParallel(nn.Module):
             if unit._handle is not None and unit._sync_gradients:
                 unit._reshard()
 
+    def _abort_backward(self) -> None:
+        """Root only: the last backward raised before its end. Drops its partial gradients."""
+        logger.warning(
+            "flatshard: the previous backward did not finish (it raised); its partial gradients "
+            "are dropped (including those accumulated under no_sync())."
+        )
+        self._final_callback_queued = False
+        self._in_iteration = False
+        self._scheduler.abort_grad_sync()
+        for unit in self._units:
+            for use in list(unit._uses):
+                use.done = True
+            if unit._handle is not None:
+                unit._handle.drop_unsharded_grad()
+                unit._reshard()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulates gradients locally, with no communication, inside the context.
 
         Call it on the root. The first backward after leaving the context
-        reduces the accumulated gradients once. See [Note: no_sync] for the
+        reduces the accumulated gradients once. See [Note: Recomputation]
+Activation checkpointing reruns module code during backward. Inside a unit
+(checkpointed blocks, then FSDP): the rerun reads the module attributes, so
+pre-backward hands out fresh autograd views of the re-gathered buffer
+through a speculative use; if its backward runs (reentrant checkpointing
+backpropagates through the rerun) it is a post-backward like any other, but
+it never holds a reduction back. Around a unit (``checkpoint(unit, x)``): the
+unit's own forward runs during backward; it is a recomputation: views as
+above, no new pending use, no hooks, no reshard (the graph being
+backpropagated needs the parameters).
+
+[Note: no_sync] for the
         memory this costs.
         """
         if self._is_root is None:
@@ -493,6 +583,21 @@ class FullyShardedDataParallel(nn.Module):
                 unit._sync_gradients = value
 
     # ------------------------------------------------------- torch's methods
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> "FullyShardedDataParallel":
+        # .to(), .cuda(), .double() and friends: a no-op passes; a move or cast
+        # would leave the runtime's buffers behind, so it is refused.
+        flat = self._parameters.get(_FLAT_PARAM)
+        if flat is not None:
+            probe = fn(torch.empty(0, dtype=flat.dtype, device=flat.device))
+            if probe.dtype != flat.dtype or probe.device != flat.device:
+                raise ValueError(
+                    f"FullyShardedDataParallel: unit '{self._unit_name or '<root>'}': expected no move or "
+                    f"cast after wrapping but got {flat.dtype} on {flat.device} -> {probe.dtype} on "
+                    f"{probe.device}. Move or cast the module before wrapping it (device_id= moves it "
+                    f"at wrap time)."
+                )
+        return super()._apply(fn, recurse)
 
     @property
     def module(self) -> nn.Module:
@@ -567,10 +672,13 @@ class FullyShardedDataParallel(nn.Module):
                 root._lazy_init()
         units = FullyShardedDataParallel.fsdp_modules(module) if recurse else roots
         units = [u for u in units if not u._in_summon]
-        if any(u._root is not None and u._root._final_callback_queued for u in units):
+        if _in_backward():
             raise RuntimeError(
                 "summon_full_params: called during backward; call it between iterations."
             )
+        for root in roots:
+            if root._final_callback_queued:
+                root._abort_backward()
         entered: list[tuple[FullyShardedDataParallel, list[nn.Parameter]]] = []
         try:
             for unit in units:
@@ -694,13 +802,18 @@ class FullyShardedDataParallel(nn.Module):
 # ------------------------------------------------------------------ helpers
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _prefetch(scheduler: Any, order: list["FullyShardedDataParallel"], index: int, backward: bool) -> None:
     """Issues the all-gather of ``order[index]`` without waiting, if it exists, is sharded
     and (in backward) still has a use whose backward has not run."""
     if 0 <= index < len(order):
         unit = order[index]
         handle = unit._handle
-        if handle is not None and handle.state == _SHARDED and (not backward or unit._pending_uses > 0):
+        if handle is not None and handle.state == _SHARDED and (not backward or unit._has_pending_uses()):
             scheduler.unshard(handle)
 
 
@@ -849,22 +962,47 @@ def _unit_modules(module: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[
         stack.extend(reversed(children))
 
 
-def _materialize_meta(unit_modules: list[tuple[str, nn.Module]], device: torch.device, unit_name: str) -> None:
-    """Materializes the unit's meta-device modules on ``device`` with their reset_parameters()."""
+def _materialize_meta(
+    unit_modules: list[tuple[str, nn.Module]], device: torch.device, unit_name: str
+) -> dict[int, nn.Parameter]:
+    """Materializes the unit's meta-device modules on ``device`` with their reset_parameters().
+
+    Tied parameters stay tied (one new parameter per old one). A meta parameter
+    another unit already owns is left alone, for the caller's tied-parameter
+    check to report. Returns {id(new parameter): old meta parameter}.
+    """
+    # Every check before any change, so that an error leaves the model as it was.
+    todo = []
     for prefix, m in unit_modules:
         states = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         if not any(t.is_meta for t in states):
             continue
-        name = _join(unit_name, prefix) or type(m).__name__
         if not callable(getattr(m, "reset_parameters", None)):
+            name = _join(unit_name, prefix) or type(m).__name__
             raise ValueError(
                 f"FullyShardedDataParallel: module '{name}' ({type(m).__name__}) has tensors on the meta "
                 f"device and no reset_parameters() to materialize them. Give it a reset_parameters() "
                 f"method or build the model on a real device."
             )
-        m.to_empty(device=device, recurse=False)
-        with torch.no_grad():
+        todo.append(m)
+    new_of: dict[int, nn.Parameter] = {}
+    old_of: dict[int, nn.Parameter] = {}
+    for m in todo:
+        for attr, p in m._parameters.items():
+            if p is None or not p.is_meta or hasattr(p, _OWNER_ATTR):
+                continue
+            if id(p) not in new_of:
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new_of[id(p)] = new
+                old_of[id(new)] = p
+            m._parameters[attr] = new_of[id(p)]
+        for attr, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[attr] = torch.empty_like(b, device=device)
+    with torch.no_grad():
+        for m in todo:
             m.reset_parameters()
+    return old_of
 
 
 def _check_uniform(params: list[nn.Parameter], names: list[str], unit_name: str) -> None:

@@ -1,0 +1,222 @@
+"""Training patterns beyond the plain loop: activation checkpointing, a backward that
+raises, forwards without backward, meta-device init with tied weights, moves after wrapping.
+
+Each training case compares against a single-process run on the same global batch
+(rtol 1e-5 / atol 1e-6 after several Adam steps) and, where torch's FSDP1 supports the
+pattern, runs the same function with torch's class.
+"""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from _dist import run_distributed
+from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 4
+
+
+def _fsdp_class(impl):
+    if impl == "flatshard":
+        from flatshard import FullyShardedDataParallel
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    return FullyShardedDataParallel
+
+
+def _reference(steps_to_skip=()):
+    torch.manual_seed(0)
+    model = make_gpt()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = make_batch()
+    for step in range(STEPS):
+        if step in steps_to_skip:
+            continue
+        gpt_loss(model, *batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _compare(FSDP, model, reference, where):
+    with FSDP.summon_full_params(model):
+        # named_parameters() keeps checkpoint_wrapper's prefix (torch's FSDP too).
+        full = {n.replace("_checkpoint_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+    assert set(full) == set(reference), f"{where}: names {sorted(full)} != {sorted(reference)}"
+    for name, ref in reference.items():
+        torch.testing.assert_close(full[name], ref, rtol=RTOL, atol=ATOL, msg=f"{where}: {name}")
+
+
+def _activation_checkpointing(rank, world_size, impl, placement, reentrant):
+    FSDP = _fsdp_class(impl)
+    model = make_gpt()
+    impl_kind = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl_kind),
+        check_fn=lambda m: isinstance(m, Block),
+    )
+    wrapper_cls = type(model.blocks[0])
+    # "inside": each unit is FSDP(CheckpointWrapper(Block)); "around": CheckpointWrapper(FSDP(Block)).
+    policy = ModuleWrapPolicy({wrapper_cls} if placement == "inside" else {Block})
+    model = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = local_slice(make_batch(), rank, world_size)
+    peak = 0
+    for _ in range(STEPS):
+        if impl == "flatshard":
+            from flatshard import _C
+
+            _C.reset_peak_unsharded_bytes()
+        gpt_loss(model, *batch).backward()
+        if impl == "flatshard":
+            peak = max(peak, _C.peak_unsharded_bytes())
+            assert _C.unsharded_bytes() == 0
+        for unit in FSDP.fsdp_modules(model):
+            assert unit._flat_param is None or unit._flat_param.grad is not None, "a unit got no gradient"
+        opt.step()
+        opt.zero_grad()
+    _compare(FSDP, model, _reference(), f"{impl} AC {placement} reentrant={reentrant}")
+    if impl == "flatshard" and world_size > 1:
+        # Not every unit unsharded at once: reductions and reshards ran during backward.
+        largest = max(u._handle.unsharded_nbytes for u in FSDP.fsdp_modules(model) if u._handle is not None)
+        assert peak <= 3 * largest, f"peak unsharded {peak} B > 3 x largest unit {largest} B"
+
+
+@pytest.mark.parametrize("impl", ["flatshard", "torch"])
+@pytest.mark.parametrize("placement", ["inside", "around"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(impl, placement, reentrant):
+    run_distributed(_activation_checkpointing, 2, impl, placement, reentrant)
+
+
+class _FailOnce(Exception):
+    pass
+
+
+def _backward_raises_then_training_goes_on(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = local_slice(make_batch(), rank, world_size)
+    block1 = model.module.blocks[1]
+    def boom(grad):
+        raise _FailOnce()
+
+    for step in range(STEPS):
+        hook = None
+        if step == 1:
+            hook = block1.module.register_forward_hook(lambda m, i, out: out.register_hook(boom) and None)
+        loss = gpt_loss(model, *batch)
+        if hook is not None:
+            hook.remove()
+        if step == 1:
+            # Fail in the middle of backward, after some units reduced: every rank alike.
+            try:
+                loss.backward()
+            except _FailOnce:
+                pass
+            else:
+                raise AssertionError("the hook did not raise")
+            opt.zero_grad()  # the usual "skip this batch"
+            continue
+        loss.backward()
+        for unit in FSDP.fsdp_modules(model):
+            assert unit._flat_param.grad is not None, f"unit '{unit._unit_name}' got no gradient"
+        opt.step()
+        opt.zero_grad()
+    _compare(FSDP, model, _reference(steps_to_skip={1}), "after a backward that raised")
+
+
+def test_backward_that_raises_is_recovered():
+    run_distributed(_backward_raises_then_training_goes_on, 2)
+
+
+def _forward_without_backward(rank, world_size, impl):
+    FSDP = _fsdp_class(impl)
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = local_slice(make_batch(), rank, world_size)
+    for step in range(STEPS):
+        gpt_loss(model, *batch).item()  # grad enabled, no backward: e.g. logging a validation loss
+        gpt_loss(model, *batch).backward()
+        if impl == "flatshard":
+            for unit in FSDP.fsdp_modules(model):
+                assert not unit._has_pending_uses(), f"unit '{unit._unit_name}' kept a dead use"
+        opt.step()
+        opt.zero_grad()
+    _compare(FSDP, model, _reference(), f"{impl}: forward without backward between steps")
+
+
+@pytest.mark.parametrize("impl", ["flatshard", "torch"])
+def test_forward_without_backward(impl):
+    run_distributed(_forward_without_backward, 2, impl)
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.body(self.emb(tokens)))
+
+
+def _meta_init_keeps_ties(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    with torch.device("meta"):
+        model = TiedLM()
+    model = FSDP(model, device_id=torch.device("cpu"))
+    with FSDP.summon_full_params(model):
+        names = [n for n, _ in model.named_parameters()]
+        assert model.module.head.weight is model.module.emb.weight, "the tie was lost"
+    assert names == ["emb.weight", "body.weight", "body.bias"], names
+    assert model._handle.layout.num_params == 3
+    # Tied across units on the meta device: the error, not a silent untie.
+    with torch.device("meta"):
+        split = TiedLM()
+    try:
+        FSDP(split, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+    except ValueError as e:
+        assert "tied parameters must live in one unit" in str(e) and "'emb.weight'" in str(e), str(e)
+    else:
+        raise AssertionError("a tie split across units on the meta device was not reported")
+
+
+def test_meta_init_keeps_tied_parameters():
+    run_distributed(_meta_init_keeps_ties, 2)
+
+
+def _moves_after_wrapping(rank, world_size):
+    from torch.distributed.fsdp import MixedPrecision
+
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    model = FSDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), mixed_precision=MixedPrecision())
+    model.float()  # a no-op is fine
+    model.to("cpu")
+    try:
+        model.double()
+    except ValueError as e:
+        assert "expected no move or cast after wrapping" in str(e) and "torch.float64" in str(e), str(e)
+    else:
+        raise AssertionError("casting after wrapping was not refused")
+    model(torch.ones(1, 2)).sum().backward()
+
+
+def test_cast_after_wrapping_is_refused():
+    run_distributed(_moves_after_wrapping, 2)
