@@ -220,3 +220,44 @@ def _moves_after_wrapping(rank, world_size):
 
 def test_cast_after_wrapping_is_refused():
     run_distributed(_moves_after_wrapping, 2)
+
+
+def _frozen_unit(rank, world_size):
+    from torch.profiler import ProfilerActivity, profile
+
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    def freeze(model):
+        for p in model.blocks[1].parameters():
+            p.requires_grad_(False)
+        return model
+
+    reference = freeze(make_gpt())
+    ref_opt = torch.optim.Adam([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    model = FSDP(freeze(make_gpt()), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = make_batch()
+    local = local_slice(batch, rank, world_size)
+    for step in range(STEPS):
+        gpt_loss(reference, *batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = gpt_loss(model, *local)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:  # the backward only
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert model.module.blocks[1]._flat_param.grad is None
+    # The frozen unit is resharded when its backward ends, before the next unit's reduction.
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    names = [e.name for e in events]
+    assert "flatshard::reshard blocks.1" in names and "flatshard::reduce_scatter blocks.0" in names, names
+    assert names.index("flatshard::reshard blocks.1") < names.index("flatshard::reduce_scatter blocks.0")
+    with FSDP.summon_full_params(model):
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_frozen_unit_trains_the_rest_and_reshards_in_backward():
+    run_distributed(_frozen_unit, 2)

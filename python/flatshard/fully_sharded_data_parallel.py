@@ -439,6 +439,12 @@ class FullyShardedDataParallel(nn.Module):
 
         output = self._fsdp_wrapped_module(*args, **kwargs)
 
+        if handle is not None and grad_enabled and not self._flat_param.requires_grad:
+            # A frozen unit has no post-backward: its backward is over once
+            # its inputs' gradients are computed.
+            inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+            if inputs:
+                torch.autograd.graph.register_multi_grad_hook(inputs, self._frozen_post_backward, mode="all")
         if handle is not None and (
             not grad_enabled or (self._reshard_after_forward and not self._is_root and self._sync_gradients)
         ):
@@ -512,6 +518,10 @@ class FullyShardedDataParallel(nn.Module):
         if self._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             _prefetch(self._scheduler, use.order, use.index - 1, backward=True)
         self._reshard()
+
+    def _frozen_post_backward(self, _grads: Any) -> None:
+        if self._sync_gradients:
+            self._reshard()
 
     def _reduce_grad(self) -> None:
         self._scheduler.reduce_grad(self._handle, self._divide_factor, self._replicate_group is not None)
