@@ -19,6 +19,12 @@
 // thread (gloo), overlapping the host's compute, and the consumer waits on the
 // collective's work object instead of an event.
 //
+// Assumptions: forward and backward run on one current stream (a user side
+// stream around a unit breaks the ordering above), and ProcessGroupNCCL calls
+// recordStream on collective tensors itself unless the environment sets
+// TORCH_NCCL_AVOID_RECORD_STREAMS=1; set it for memory that frees exactly
+// when flatshard drops a buffer.
+//
 // [Note: Reductions in flight]
 // A reduction holds the unit's unsharded flat gradient (its input) until it
 // completes. Keeping them all until the end of backward would hold a whole
