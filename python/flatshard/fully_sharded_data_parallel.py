@@ -111,13 +111,27 @@ class _Use:
     non-speculative uses whose post-backward has not run.
     """
 
-    __slots__ = ("order", "index", "done", "speculative", "__weakref__")
+    __slots__ = ("unit", "order", "index", "done", "speculative", "__weakref__")
 
-    def __init__(self, speculative: bool = False) -> None:
+    def __init__(self, unit: "FullyShardedDataParallel", speculative: bool = False) -> None:
+        self.unit = unit
         self.order: list[FullyShardedDataParallel] = []
         self.index = -1
         self.done = False
         self.speculative = speculative
+        unit._uses.add(self)
+        if not speculative:
+            unit._pending_uses += 1
+
+    def finish(self) -> None:
+        """Its post-backward ran (or its backward is over): no longer pending. Safe to call twice."""
+        if not self.done:
+            self.done = True
+            if not self.speculative:
+                self.unit._pending_uses -= 1
+
+    def __del__(self) -> None:
+        self.finish()  # the graph died before its backward ran
 
 
 class _UnshardedViews(torch.autograd.Function):
@@ -269,8 +283,11 @@ class FullyShardedDataParallel(nn.Module):
         self._scheduler: Any = None
         self._units: list[FullyShardedDataParallel] = []
         self._in_summon = False
-        # Live uses of this unit's parameters (see _Use).
+        # Live uses of this unit's parameters, and how many are pending (see _Use).
         self._uses: weakref.WeakSet[_Use] = weakref.WeakSet()
+        self._pending_uses = 0
+        # Whether the modules hold the storage-less placeholders (see _reshard).
+        self._placeholders_set = True
         self._sync_gradients = True
         # Root only, per iteration (see [Note: Unit lifecycle]).
         self._final_callback_queued = False
@@ -342,16 +359,18 @@ class FullyShardedDataParallel(nn.Module):
         # buffer (storage-less while sharded, see [Note: Unsharded storage]).
         for m, attr, _ in slots:
             del m._parameters[attr]
-        self._set_views(self._handle.placeholder_views)
+        self._set_views(self._handle.placeholder_views, placeholders=True)
 
-    def _set_views(self, views) -> None:
+    def _set_views(self, views, placeholders: bool = False) -> None:
         for m, attr, index in self._param_slots:
             m.__dict__[attr] = views[index]
+        self._placeholders_set = placeholders
 
     def _reshard(self) -> None:
-        """Frees the unsharded buffer; the modules get storage-less placeholders back."""
+        """Frees the unsharded buffer; the modules get storage-less placeholders back
+        (which also lets go of the last forward's views and their graph)."""
         self._scheduler.reshard(self._handle)
-        self._set_views(self._handle.placeholder_views)
+        self._set_views(self._handle.placeholder_views, placeholders=True)
 
     def _lazy_init(self) -> None:
         """Makes this unit the root of every unit below it; creates the shared scheduler."""
@@ -431,8 +450,7 @@ class FullyShardedDataParallel(nn.Module):
                 _prefetch(scheduler, root._prev_pre_forward_order, position + 1, backward=False)
             flat = self._flat_param
             if grad_enabled and flat.requires_grad:
-                use = _Use()
-                self._uses.add(use)
+                use = _Use(self)
                 self._set_views(_UnshardedViews.apply(self, use, flat))
             else:
                 self._set_views(handle.views())
@@ -446,7 +464,13 @@ class FullyShardedDataParallel(nn.Module):
             if inputs:
                 torch.autograd.graph.register_multi_grad_hook(inputs, self._frozen_post_backward, mode="all")
         if handle is not None and (
-            not grad_enabled or (self._reshard_after_forward and not self._is_root and self._sync_gradients)
+            not grad_enabled
+            or (
+                self._reshard_after_forward
+                and not self._is_root
+                and self._sync_gradients
+                and not handle.is_replicated  # nothing to free: keep the views for backward
+            )
         ):
             self._reshard()
         if not grad_enabled:
@@ -459,7 +483,7 @@ class FullyShardedDataParallel(nn.Module):
                         unit._reshard()
             return output
         if use is None:
-            use = _Use()
+            use = _Use(self, speculative=True)  # only for its place in the order
         use.order = root._post_forward_order
         use.index = len(use.order)
         use.order.append(self)
@@ -485,13 +509,12 @@ class FullyShardedDataParallel(nn.Module):
         if not self._flat_param.requires_grad:
             self._set_views(self._handle.views())
             return
-        use = _Use(speculative=True)
-        self._uses.add(use)
+        use = _Use(self, speculative=True)
         with torch.enable_grad():
             self._set_views(_UnshardedViews.apply(self, use, self._flat_param))
 
     def _has_pending_uses(self) -> bool:
-        return any(not u.done and not u.speculative for u in self._uses)
+        return self._pending_uses > 0
 
     # --------------------------------------------------------------- backward
 
@@ -502,12 +525,13 @@ class FullyShardedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
         if self._handle is not None:
             self._scheduler.wait_for_unshard(self._handle)  # see forward() on the order
-            self._hand_out_views()
+            if self._placeholders_set:  # resharded after forward: recomputation needs real views
+                self._hand_out_views()
             if self._backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
                 _prefetch(self._scheduler, order, index - 1, backward=True)
 
     def _post_backward(self, use: _Use, grads: tuple[torch.Tensor | None, ...]) -> None:
-        use.done = True
+        use.finish()
         # Reduce once no other use still needs the parameters, unless in no_sync().
         reduce = self._sync_gradients and not self._has_pending_uses()
         self._scheduler.post_backward(
@@ -533,7 +557,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:  # the same order on every rank
             handle = unit._handle
             for use in list(unit._uses):
-                use.done = True  # a later backward through a kept graph is a new reduction
+                use.finish()  # a later backward through a kept graph is a new reduction
             if handle is not None and unit._sync_gradients and handle.has_unsharded_grad():
                 unit._reduce_grad()  # a use whose post-backward never ran
         self._scheduler.finish_grad_sync()
@@ -552,7 +576,7 @@ class FullyShardedDataParallel(nn.Module):
         self._scheduler.abort_grad_sync()
         for unit in self._units:
             for use in list(unit._uses):
-                use.done = True
+                use.finish()
             if unit._handle is not None:
                 unit._handle.drop_unsharded_grad()
                 unit._reshard()
