@@ -64,7 +64,14 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard import _C
-from flatshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from flatshard.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
 from flatshard.wrap import _plan_wraps
 
 __all__ = ["FullyShardedDataParallel"]
@@ -283,6 +290,7 @@ class FullyShardedDataParallel(nn.Module):
         self._scheduler: Any = None
         self._units: list[FullyShardedDataParallel] = []
         self._in_summon = False
+        self._state_dict_config = FullStateDictConfig()
         # Live uses of this unit's parameters, and how many are pending (see _Use).
         self._uses: weakref.WeakSet[_Use] = weakref.WeakSet()
         self._pending_uses = 0
@@ -807,6 +815,119 @@ backpropagated needs the parameters).
             g.mul_(coef.to(g.dtype))
         return total.to(dtype)
 
+    # ------------------------------------------------------------ state dicts
+    # [Note: State dicts]
+    # StateDictType.FULL_STATE_DICT, torch's default: state_dict() gathers the
+    # full parameters (a collective: every rank calls it) and returns them
+    # under the original module's names, as a plain model's state_dict() would
+    # (tied parameters under each of their names); FullStateDictConfig's
+    # offload_to_cpu and rank0_only are honoured. load_state_dict() takes such
+    # a dict and writes every rank's shards. Nested units called from their
+    # root's state_dict() (inside summon_full_params) behave as plain modules.
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The full state dict under the original names (see [Note: State dicts]). Collective."""
+        if self._in_summon:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if args or destination is not None:
+            raise ValueError(
+                "FullyShardedDataParallel.state_dict: positional arguments and destination= are not "
+                "supported; call state_dict() and update your own dict with the result."
+            )
+        config = self._state_dict_config
+        out: dict[str, Any] = {}
+        with FullyShardedDataParallel.summon_full_params(self, writeback=False):
+            full = super().state_dict(prefix=prefix, keep_vars=keep_vars)
+            keep = not config.rank0_only or dist.get_rank() == 0
+            for name, value in full.items():
+                if keep and isinstance(value, torch.Tensor):
+                    # Clone: the summoned parameters' storage is freed on exit.
+                    value = value.detach().clone() if not keep_vars else value.clone()
+                    if config.offload_to_cpu:
+                        value = value.cpu()
+                if keep:
+                    out[_clean_name(name)] = value
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Loads a full state dict (original names) into every rank's shards (see [Note: State dicts])."""
+        if self._in_summon:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            raise NotImplementedError(
+                "FullyShardedDataParallel.load_state_dict: assign=True is not implemented in flatshard; "
+                "load with assign=False (values are copied into the shards)."
+            )
+        with FullyShardedDataParallel.summon_full_params(self, writeback=True):
+            actual = {_clean_name(k): k for k in super().state_dict(keep_vars=True)}
+            remapped = {actual.get(k, k): v for k, v in state_dict.items()}
+            result = super().load_state_dict(remapped, strict=strict)
+        return type(result)(
+            [_clean_name(k) for k in result.missing_keys], [_clean_name(k) for k in result.unexpected_keys]
+        )
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Any = None,
+        optim_state_dict_config: Any = None,
+    ) -> tuple[StateDictType, Any]:
+        """Sets the state dict type of every unit in ``module``; returns the previous (type, config).
+
+        flatshard implements StateDictType.FULL_STATE_DICT (torch's default) with
+        FullStateDictConfig; other types raise NotImplementedError.
+        """
+        if state_dict_type != StateDictType.FULL_STATE_DICT:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel.set_state_dict_type: {state_dict_type} is not implemented in "
+                f"flatshard yet; use StateDictType.FULL_STATE_DICT."
+            )
+        if state_dict_config is None:
+            state_dict_config = FullStateDictConfig()
+        if not isinstance(state_dict_config, FullStateDictConfig):
+            raise ValueError(
+                f"FullyShardedDataParallel.set_state_dict_type: expected a FullStateDictConfig for "
+                f"FULL_STATE_DICT but got {state_dict_config!r}"
+            )
+        if optim_state_dict_config is not None:
+            raise NotImplementedError(
+                "FullyShardedDataParallel.set_state_dict_type: optim_state_dict_config is not implemented "
+                "in flatshard yet (nor are optimizer state dicts)."
+            )
+        units = FullyShardedDataParallel.fsdp_modules(module)
+        if not units:
+            raise ValueError("set_state_dict_type: expected a module with FSDP units but found none")
+        previous = (StateDictType.FULL_STATE_DICT, units[0]._state_dict_config)
+        for unit in units:
+            unit._state_dict_config = state_dict_config
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> tuple[StateDictType, Any]:
+        """(StateDictType.FULL_STATE_DICT, its config) of the units in ``module``."""
+        units = FullyShardedDataParallel.fsdp_modules(module)
+        if not units:
+            raise ValueError("get_state_dict_type: expected a module with FSDP units but found none")
+        return StateDictType.FULL_STATE_DICT, units[0]._state_dict_config
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Any = None,
+        optim_state_dict_config: Any = None,
+    ) -> Iterator[None]:
+        """Within the context, the units of ``module`` use this state dict type and config."""
+        previous = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel.set_state_dict_type(module, *previous)
+
     def _not_yet(name: str) -> Callable:  # noqa: N805 - builds methods below
         def method(self, *args: Any, **kwargs: Any) -> Any:
             raise NotImplementedError(
@@ -820,14 +941,10 @@ backpropagated needs the parameters).
         return method
 
     for _name in (
-        "state_dict",
-        "load_state_dict",
         "register_comm_hook",
         "optim_state_dict",
         "full_optim_state_dict",
         "sharded_optim_state_dict",
-        "state_dict_type",
-        "set_state_dict_type",
     ):
         locals()[_name] = _not_yet(_name)
     del _name, _not_yet
