@@ -180,3 +180,37 @@ def gpt_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> t
     """Mean next-token cross-entropy over every token of the batch."""
     logits = model(tokens)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+IMPLS = ["flatshard", "torch"]
+
+
+def fsdp_class(impl: str):
+    """The FullyShardedDataParallel class of ``impl``: flatshard's or torch's (FSDP1).
+
+    Imported where called, so a flatshard that does not import fails the test
+    (it is not skipped).
+    """
+    if impl == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel
+    if impl == "flatshard":
+        from flatshard import FullyShardedDataParallel
+
+        return FullyShardedDataParallel
+    raise ValueError(f"impl: expected one of {IMPLS} but got {impl!r}")
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the output head, with a Linear between: the smallest tied model."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.body(self.emb(tokens)))

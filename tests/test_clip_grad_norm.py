@@ -8,18 +8,10 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+from models import Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 RTOL, ATOL = 1e-5, 1e-6
 MAX_NORM = 0.05  # small enough that every step clips
-
-
-def _fsdp_class(impl):
-    if impl == "flatshard":
-        from flatshard import FullyShardedDataParallel
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    return FullyShardedDataParallel
 
 
 def _first_block_no_shard(model, module):
@@ -29,7 +21,7 @@ def _first_block_no_shard(model, module):
 
 
 def _train_with_clipping(rank, world_size, impl, mixed, norm_type):
-    FSDP = _fsdp_class(impl)
+    FSDP = fsdp_class(impl)
     batch = make_batch()
     reference = make_gpt()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)

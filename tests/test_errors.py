@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from flatshard import FullyShardedDataParallel as FSDP
+
+from models import TiedLM
 
 
 @pytest.fixture
@@ -25,18 +27,6 @@ def single_rank():
             yield
         finally:
             dist.destroy_process_group()
-
-
-class TiedLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.body = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 10, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, tokens):
-        return self.head(self.body(self.emb(tokens)))
 
 
 def test_no_process_group():

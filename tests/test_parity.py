@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
 
 from _dist import WORLD_SIZES, run_distributed
-from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+from models import IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -34,7 +34,6 @@ GLOBAL_BATCH = 8  # divisible by every world size
 N_LAYERS = 3
 N_UNITS = N_LAYERS + 1  # one per Block, plus the root (embedding, head, ln_f)
 
-IMPLS = ["flatshard", "torch"]
 
 # Adam is the acceptance optimizer, but m / sqrt(v) is nearly blind to a constant
 # gradient scale: a gradient summed instead of averaged over ranks (or divided twice)
@@ -45,20 +44,6 @@ OPTIMIZERS = {
     "adam": lambda params: torch.optim.Adam(params, lr=LR),
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
 }
-
-
-def fsdp_class(impl: str):
-    """The FullyShardedDataParallel class of ``impl`` (imported in the parent, so a
-    flatshard that does not import fails the test, it is not skipped)."""
-    if impl == "torch":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel
-    if impl == "flatshard":
-        from flatshard import FullyShardedDataParallel
-
-        return FullyShardedDataParallel
-    raise ValueError(f"impl: expected one of {IMPLS} but got {impl!r}")
 
 
 def train_gpt(rank, world_size, FSDP, auto_wrap_policy=None, manual_wrap=False, optimizer="adam"):

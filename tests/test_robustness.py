@@ -19,18 +19,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+from models import Block, TiedLM, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 4
-
-
-def _fsdp_class(impl):
-    if impl == "flatshard":
-        from flatshard import FullyShardedDataParallel
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    return FullyShardedDataParallel
 
 
 def _reference(steps_to_skip=()):
@@ -57,7 +49,7 @@ def _compare(FSDP, model, reference, where):
 
 
 def _activation_checkpointing(rank, world_size, impl, placement, reentrant):
-    FSDP = _fsdp_class(impl)
+    FSDP = fsdp_class(impl)
     model = make_gpt()
     impl_kind = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
     apply_activation_checkpointing(
@@ -143,7 +135,7 @@ def test_backward_that_raises_is_recovered():
 
 
 def _forward_without_backward(rank, world_size, impl):
-    FSDP = _fsdp_class(impl)
+    FSDP = fsdp_class(impl)
     model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     batch = local_slice(make_batch(), rank, world_size)
@@ -161,18 +153,6 @@ def _forward_without_backward(rank, world_size, impl):
 @pytest.mark.parametrize("impl", ["flatshard", "torch"])
 def test_forward_without_backward(impl):
     run_distributed(_forward_without_backward, 2, impl)
-
-
-class TiedLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.body = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 10, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, tokens):
-        return self.head(self.body(self.emb(tokens)))
 
 
 def _meta_init_keeps_ties(rank, world_size):

@@ -12,17 +12,9 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+from models import Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _fsdp_class(impl):
-    if impl == "flatshard":
-        from flatshard import FullyShardedDataParallel
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    return FullyShardedDataParallel
 
 
 def _train(model, batch, steps, lr=1e-2):
@@ -34,7 +26,7 @@ def _train(model, batch, steps, lr=1e-2):
 
 
 def _state_dict_round_trip(rank, world_size, impl):
-    FSDP = _fsdp_class(impl)
+    FSDP = fsdp_class(impl)
     batch = make_batch()
     local = local_slice(batch, rank, world_size)
     reference = make_gpt()

@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import GPT, Block, gpt_loss, local_slice, make_batch, make_gpt
+from models import GPT, IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -71,7 +71,6 @@ PG_TIMEOUT_S = 30.0
 #: Seconds the ranks wait for each other on the control group after a config.
 CONTROL_TIMEOUT_S = 3 * PG_TIMEOUT_S
 
-IMPLS = ["flatshard", "torch"]
 
 
 def _cfg(name, strategy="FULL_SHARD", *, hybrid=None, bwd="PRE", fwd=False, limit=True, accum=None, edge=None):
@@ -216,16 +215,6 @@ def reference(kind: str) -> dict:
 # --------------------------------------------------------------- rank side
 
 
-def _fsdp_class(impl: str):
-    if impl == "torch":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel
-    from flatshard import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
 def _unsharded_bytes(impl: str) -> int | None:
     if impl != "flatshard":
         return None
@@ -248,7 +237,7 @@ def _train_one(rank, world_size, impl, cfg, hybrid_groups, mesh) -> list[str]:
     """Trains ``cfg`` on this rank; returns the problems found (empty: parity holds)."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
-    FSDP = _fsdp_class(impl)
+    FSDP = fsdp_class(impl)
     problems: list[str] = []
     kind = model_kind(cfg)
     ref = reference(kind)

@@ -7,7 +7,7 @@ A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel``::
 
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
-from flatshard import _C, wrap
+from flatshard import _C, wrap  # noqa: F401  (flatshard._C: the runtime, for tests and tools)
 from flatshard.api import (
     BackwardPrefetch,
     CPUOffload,

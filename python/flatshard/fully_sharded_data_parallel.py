@@ -594,18 +594,7 @@ class FullyShardedDataParallel(nn.Module):
         """Accumulates gradients locally, with no communication, inside the context.
 
         Call it on the root. The first backward after leaving the context
-        reduces the accumulated gradients once. See [Note: Recomputation]
-Activation checkpointing reruns module code during backward. Inside a unit
-(checkpointed blocks, then FSDP): the rerun reads the module attributes, so
-pre-backward hands out fresh autograd views of the re-gathered buffer
-through a speculative use; if its backward runs (reentrant checkpointing
-backpropagates through the rerun) it is a post-backward like any other, but
-it never holds a reduction back. Around a unit (``checkpoint(unit, x)``): the
-unit's own forward runs during backward; it is a recomputation: views as
-above, no new pending use, no hooks, no reshard (the graph being
-backpropagated needs the parameters).
-
-[Note: no_sync] for the
+        reduces the accumulated gradients once. See [Note: no_sync] for the
         memory this costs.
         """
         if self._is_root is None:
@@ -937,7 +926,7 @@ backpropagated needs the parameters).
             )
 
         method.__name__ = name
-        method.__doc__ = f"Not implemented in flatshard yet: raises NotImplementedError."
+        method.__doc__ = "Not implemented in flatshard yet: raises NotImplementedError."
         return method
 
     for _name in (
