@@ -18,6 +18,9 @@ PLOTS = ("step_time.png", "memory.png", "memory_timeline.png", "collectives.png"
 
 
 # ------------------------------------------------------------------ helpers
+KEPT_MARKER = "<!-- Kept across runs: everything below is written by hand. -->"
+
+
 def _ok(entry: dict | None) -> bool:
     return bool(entry) and entry.get("status") == "ok"
 
@@ -447,7 +450,16 @@ def write(results: dict, out_dir: str, publish_dir: str | None) -> dict:
         }
         doc += [f"![{captions[n]}](results/{n})" + "\n" for n in names]
         path = os.path.join(publish_dir, "RESULTS.md")
+        # Hand-written sections (GPU runs, analysis) below the marker survive every run.
+        kept = ""
+        if os.path.exists(path):
+            with open(path) as f:
+                old = f.read()
+            if KEPT_MARKER in old:
+                kept = old[old.index(KEPT_MARKER):]
         with open(path, "w") as f:
             f.write("\n".join(doc))
+            if kept:
+                f.write("\n" + kept)
         written["results_md"] = path
     return written
