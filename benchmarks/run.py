@@ -64,6 +64,11 @@ def main() -> int:
                    help="do not update benchmarks/RESULTS.md and benchmarks/results/ (implied by --quick "
                         "and by a subset of --workloads)")
     args = p.parse_args()
+    try:
+        import matplotlib  # noqa: F401  (plots come last: fail before minutes of measuring)
+    except ImportError:
+        p.error("matplotlib is needed for the plots: pip install matplotlib "
+                "(or run bash scripts/run_benchmarks.sh, which installs what is missing)")
     device = default_device_type() if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch.cuda.is_available() is False")

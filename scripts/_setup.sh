@@ -13,6 +13,11 @@ fi
 missing=()
 "$PY" -c "import scikit_build_core" 2>/dev/null || missing+=("scikit-build-core>=0.10")
 "$PY" -c "import pytest, pytest_timeout" 2>/dev/null || missing+=("pytest>=8" "pytest-timeout>=2.3")
+# torch.distributed's *_object collectives (used by tests) need NumPy, which torch's wheel does not pull in.
+"$PY" -c "import numpy" 2>/dev/null || missing+=("numpy")
+if [[ "${FLATSHARD_NEEDS_PLOTS:-0}" == 1 ]]; then
+  "$PY" -c "import matplotlib" 2>/dev/null || missing+=("matplotlib")
+fi
 "$PY" -c "import tqdm" 2>/dev/null || missing+=("tqdm>=4.60")
 if ! cmake --version 2>/dev/null | awk 'NR==1{split($3,v,"."); exit !(v[1]>3 || (v[1]==3 && v[2]>=24))}'; then
   missing+=("cmake>=3.24")
