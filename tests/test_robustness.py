@@ -120,8 +120,11 @@ def _backward_raises_then_training_goes_on(rank, world_size):
                 pass
             else:
                 raise AssertionError("the hook did not raise")
-            opt.zero_grad()  # the usual "skip this batch"
+            # No zero_grad: the next forward drops the failed batch's gradients on every rank.
             continue
+        if step == 2:
+            for unit in FSDP.fsdp_modules(model):
+                assert unit._flat_param.grad is None, f"unit '{unit._unit_name}' kept a partial gradient"
         loss.backward()
         for unit in FSDP.fsdp_modules(model):
             assert unit._flat_param.grad is not None, f"unit '{unit._unit_name}' got no gradient"
@@ -241,3 +244,37 @@ def _frozen_unit(rank, world_size):
 
 def test_frozen_unit_trains_the_rest_and_reshards_in_backward():
     run_distributed(_frozen_unit, 2)
+
+
+def _ranks_keep_different_graphs(rank, world_size, collect_garbage):
+    """Rank 0 keeps an extra forward's output (say, for logging), or frees a graph held in a
+    reference cycle at another moment than its peer: which collectives run must not change."""
+    import gc
+
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = local_slice(make_batch(), rank, world_size)
+    kept = []
+    for _ in range(STEPS):
+        extra = gpt_loss(model, *batch)  # grad enabled, never backpropagated
+        if collect_garbage:
+            cycle = [extra]
+            cycle.append(cycle)  # only the cyclic collector frees this graph
+            del extra, cycle
+            if rank == 0:
+                gc.collect()
+        elif rank == 0:
+            kept.append(extra)
+        else:
+            del extra
+        gpt_loss(model, *batch).backward()
+        opt.step()
+        opt.zero_grad()
+    _compare(FSDP, model, _reference(), f"graphs kept differently (gc={collect_garbage})")
+
+
+@pytest.mark.parametrize("collect_garbage", [False, True])
+def test_ranks_keeping_different_graphs_issue_the_same_collectives(collect_garbage):
+    run_distributed(_ranks_keep_different_graphs, 2, collect_garbage, pg_timeout=20.0)

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
+from models import IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -96,3 +96,47 @@ def _unsupported(rank, world_size):
 
 def test_unsupported_state_dict_types_and_bad_keys():
     run_distributed(_unsupported, 2)
+
+
+class _Outer(torch.nn.Module):
+    """A plain module around an FSDP root, as in a training harness."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.register_buffer("step", torch.zeros(()))
+
+
+def _under_plain_parent(rank, world_size, impl):
+    import copy
+
+    FSDP = fsdp_class(impl)
+    batch = make_batch()
+    local = local_slice(batch, rank, world_size)
+    reference = make_gpt()
+    _train(reference, batch, 2)
+    expected = {"step": torch.zeros(())}  # the parent's own buffers come before its children's
+    expected.update({f"body.{k}": v for k, v in reference.state_dict().items()})
+
+    outer = _Outer(FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")))
+    _train(outer.body, local, 2)
+    got = outer.state_dict()
+    assert list(got) == list(expected), f"keys {list(got)} != {list(expected)}"
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    kept = outer.body.state_dict(keep_vars=True)
+    copy.deepcopy(kept)  # plain tensors, no autograd history
+    assert all(not t.requires_grad for t in kept.values())
+
+    fresh = _Outer(FSDP(make_gpt(seed=7), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")))
+    result = fresh.load_state_dict(got, strict=False)
+    assert not result.unexpected_keys, result
+    with FSDP.summon_full_params(fresh.body):
+        loaded = {n: p.detach().clone() for n, p in fresh.body.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(loaded[name], p.detach(), rtol=RTOL, atol=ATOL, msg=f"loaded {name}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_state_dict_under_a_plain_parent(impl):
+    run_distributed(_under_plain_parent, 2, impl)

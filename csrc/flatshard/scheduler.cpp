@@ -76,7 +76,11 @@ void Scheduler::stream_wait(const c10::Stream& waiter, const c10::Stream& signal
 }
 
 void Scheduler::reap_completed_reductions() {
-  while (!reductions_.empty() && reductions_.front().shard_work.is_completed()) {
+  // Never one that would issue a replica all-reduce: when the host notices a
+  // completion differs between ranks, and collectives must be issued in the
+  // same order everywhere (NCCL requires it across communicators too).
+  while (!reductions_.empty() && !reductions_.front().all_reduce_replicas &&
+         reductions_.front().shard_work.is_completed()) {
     complete_shard_reduction();
   }
   while (!replica_reductions_.empty() && replica_reductions_.front().replica_work.is_completed()) {

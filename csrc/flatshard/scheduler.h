@@ -124,7 +124,9 @@ class Scheduler {
 
   // Completes, without blocking, the reductions whose collectives are done, so
   // their buffers (and the backend's copies, gloo's clone of the input for
-  // one) go as early as the host notices. Called from unshard().
+  // one) go as early as the host notices. Called from unshard(). Issues no
+  // collective: a reduction that still needs its replica all-reduce waits for
+  // the next fixed point (post_backward, reduce_grad, finish_grad_sync).
   void reap_completed_reductions();
   // Shard-group reduction done: divide, or hand over to the replica all-reduce.
   void complete_shard_reduction();

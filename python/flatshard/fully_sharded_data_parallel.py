@@ -39,6 +39,18 @@ unit's own forward runs during backward; it is a recomputation: views as
 above, no new pending use, no hooks, no reshard (the graph being
 backpropagated needs the parameters).
 
+[Note: Pending uses]
+A unit reduces (and reshards) in a post-backward only when no other use of
+its parameters is still to run its post-backward in this backward; backward
+prefetch likewise skips units with nothing left to run. Both decide
+collectives, so the answer must be the same on every rank: it comes from the
+graph being executed (torch._C._will_engine_execute_node of each unrun use's
+node), never from when Python frees objects (a rank that keeps an extra
+forward's output, or collects garbage at another moment, must not change
+which collectives it issues). Inside a nested backward (reentrant
+checkpointing), where only the inner graph can be asked, every live unrun
+use counts as pending.
+
 [Note: no_sync]
 Inside ``no_sync()`` no collective runs in backward: units stay unsharded
 from their first forward on (so backward needs no all-gather) and their
@@ -51,6 +63,7 @@ in backward instead.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -112,33 +125,23 @@ class _Use:
 
     Made by a grad-enabled forward call (its place in the post-forward order
     is recorded for backward prefetch), or speculatively when views are handed
-    out again during backward (see [Note: Recomputation]). Only the use's
-    graph refers to it (the ``_UnshardedViews`` node and the pre-backward
-    hook), so it dies with the graph: a unit's pending uses are its live,
-    non-speculative uses whose post-backward has not run.
+    out again during backward (see [Note: Recomputation]). ``node`` is a weak
+    reference to its ``_UnshardedViews`` node. See [Note: Pending uses].
     """
 
-    __slots__ = ("unit", "order", "index", "done", "speculative", "__weakref__")
+    __slots__ = ("node", "order", "index", "done", "speculative", "__weakref__")
 
     def __init__(self, unit: "FullyShardedDataParallel", speculative: bool = False) -> None:
-        self.unit = unit
+        self.node: Callable[[], Any] | None = None
         self.order: list[FullyShardedDataParallel] = []
         self.index = -1
         self.done = False
         self.speculative = speculative
         unit._uses.add(self)
-        if not speculative:
-            unit._pending_uses += 1
 
     def finish(self) -> None:
-        """Its post-backward ran (or its backward is over): no longer pending. Safe to call twice."""
-        if not self.done:
-            self.done = True
-            if not self.speculative:
-                self.unit._pending_uses -= 1
-
-    def __del__(self) -> None:
-        self.finish()  # the graph died before its backward ran
+        """Its post-backward ran, or the backward it belonged to is over. Safe to call twice."""
+        self.done = True
 
 
 class _UnshardedViews(torch.autograd.Function):
@@ -154,6 +157,7 @@ class _UnshardedViews(torch.autograd.Function):
     def forward(ctx, unit: "FullyShardedDataParallel", use: _Use, flat_param: nn.Parameter):
         ctx.unit = unit
         ctx.use = use
+        use.node = weakref.ref(ctx)  # ctx is the node: it dies with the graph
         return tuple(unit._handle.views())
 
     @staticmethod
@@ -291,14 +295,16 @@ class FullyShardedDataParallel(nn.Module):
         self._units: list[FullyShardedDataParallel] = []
         self._in_summon = False
         self._state_dict_config = FullStateDictConfig()
-        # Live uses of this unit's parameters, and how many are pending (see _Use).
+        self._register_load_state_dict_pre_hook(self._pre_load_state_dict)
+        self.register_load_state_dict_post_hook(self._post_load_state_dict)
+        # Live uses of this unit's parameters (see _Use and [Note: Pending uses]).
         self._uses: weakref.WeakSet[_Use] = weakref.WeakSet()
-        self._pending_uses = 0
         # Whether the modules hold the storage-less placeholders (see _reshard).
         self._placeholders_set = True
         self._sync_gradients = True
         # Root only, per iteration (see [Note: Unit lifecycle]).
         self._final_callback_queued = False
+        self._backward_task = -1  # the graph task of the backward under way
         self._in_iteration = False
         self._pre_forward_order: list[FullyShardedDataParallel] = []
         self._prev_pre_forward_order: list[FullyShardedDataParallel] = []
@@ -522,7 +528,18 @@ class FullyShardedDataParallel(nn.Module):
             self._set_views(_UnshardedViews.apply(self, use, self._flat_param))
 
     def _has_pending_uses(self) -> bool:
-        return self._pending_uses > 0
+        """Whether a use of this unit still runs its post-backward in this backward (see [Note: Pending uses])."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return False
+        nested = task != self._root._backward_task
+        for use in list(self._uses):
+            if use.done or use.speculative or use.node is None:
+                continue
+            node = use.node()
+            if node is not None and (nested or torch._C._will_engine_execute_node(node)):
+                return True
+        return False
 
     # --------------------------------------------------------------- backward
 
@@ -530,6 +547,7 @@ class FullyShardedDataParallel(nn.Module):
         root = self._root
         if not root._final_callback_queued:
             root._final_callback_queued = True
+            root._backward_task = torch._C._current_graph_task_id()
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
         if self._handle is not None:
             self._scheduler.wait_for_unshard(self._handle)  # see forward() on the order
@@ -576,8 +594,9 @@ class FullyShardedDataParallel(nn.Module):
     def _abort_backward(self) -> None:
         """Root only: the last backward raised before its end. Drops its partial gradients."""
         logger.warning(
-            "flatshard: the previous backward did not finish (it raised); its partial gradients "
-            "are dropped (including those accumulated under no_sync())."
+            "flatshard: the previous backward did not finish (it raised); every unit's gradient "
+            "(.grad and what no_sync() accumulated) is dropped, so that no rank steps on part of a "
+            "batch. Only safe when every rank's backward raised at the same point."
         )
         self._final_callback_queued = False
         self._in_iteration = False
@@ -587,6 +606,7 @@ class FullyShardedDataParallel(nn.Module):
                 use.finish()
             if unit._handle is not None:
                 unit._handle.drop_unsharded_grad()
+                unit._flat_param.grad = None
                 unit._reshard()
 
     @contextlib.contextmanager
@@ -815,45 +835,63 @@ class FullyShardedDataParallel(nn.Module):
     # root's state_dict() (inside summon_full_params) behave as plain modules.
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """The full state dict under the original names (see [Note: State dicts]). Collective."""
+        """The full state dict under the original names (see [Note: State dicts]). Collective.
+
+        Also called by a plain parent module's ``state_dict()`` (with its
+        ``destination`` and ``prefix``): the entries go there.
+        """
         if self._in_summon:
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if args or destination is not None:
+        if args:
             raise ValueError(
-                "FullyShardedDataParallel.state_dict: positional arguments and destination= are not "
-                "supported; call state_dict() and update your own dict with the result."
+                "FullyShardedDataParallel.state_dict: positional arguments are not supported; pass "
+                "destination=, prefix= and keep_vars= by name."
             )
         config = self._state_dict_config
-        out: dict[str, Any] = {}
+        out = destination if destination is not None else collections.OrderedDict()
+        keep = not config.rank0_only or dist.get_rank() == 0
         with FullyShardedDataParallel.summon_full_params(self, writeback=False):
             full = super().state_dict(prefix=prefix, keep_vars=keep_vars)
-            keep = not config.rank0_only or dist.get_rank() == 0
-            for name, value in full.items():
-                if keep and isinstance(value, torch.Tensor):
-                    # Clone: the summoned parameters' storage is freed on exit.
-                    value = value.detach().clone() if not keep_vars else value.clone()
-                    if config.offload_to_cpu:
-                        value = value.cpu()
-                if keep:
+            if keep:
+                for name, value in full.items():
+                    if isinstance(value, torch.Tensor):
+                        # Plain tensors, cloned: the summoned storage is freed on exit.
+                        value = value.detach().clone()
+                        if config.offload_to_cpu:
+                            value = value.cpu()
                     out[_clean_name(name)] = value
         return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Loads a full state dict (original names) into every rank's shards (see [Note: State dicts])."""
-        if self._in_summon:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if assign:
+        if assign and not self._in_summon:
             raise NotImplementedError(
                 "FullyShardedDataParallel.load_state_dict: assign=True is not implemented in flatshard; "
                 "load with assign=False (values are copied into the shards)."
             )
-        with FullyShardedDataParallel.summon_full_params(self, writeback=True):
-            actual = {_clean_name(k): k for k in super().state_dict(keep_vars=True)}
-            remapped = {actual.get(k, k): v for k, v in state_dict.items()}
-            result = super().load_state_dict(remapped, strict=strict)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         return type(result)(
             [_clean_name(k) for k in result.missing_keys], [_clean_name(k) for k in result.unexpected_keys]
         )
+
+    def _pre_load_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        # Runs before this module loads, also under a plain parent's load_state_dict():
+        # the outermost unit summons the full parameters and renames the original
+        # names to the wrapped ones; _post_load_state_dict writes the shards back.
+        if self._in_summon:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(FullyShardedDataParallel.summon_full_params(self, writeback=True))
+        self.__dict__["_load_stack"] = stack
+        for actual in super().state_dict(keep_vars=True):
+            clean = _clean_name(actual)
+            if clean != actual and prefix + clean in state_dict:
+                state_dict[prefix + actual] = state_dict.pop(prefix + clean)
+
+    def _post_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
+        stack = self.__dict__.pop("_load_stack", None)
+        if stack is not None:
+            stack.close()
 
     @staticmethod
     def set_state_dict_type(
