@@ -214,3 +214,19 @@ class TiedLM(nn.Module):
 
     def forward(self, tokens):
         return self.head(self.body(self.emb(tokens)))
+
+
+def param_mismatches(full: dict, want: dict, rtol: float, atol: float) -> list[str]:
+    """Every way ``full`` (name -> tensor) differs from ``want``: names, then values."""
+    problems = []
+    if set(full) != set(want):
+        problems.append(
+            f"parameter names differ from the unwrapped model's: missing {sorted(set(want) - set(full))}, "
+            f"unexpected {sorted(set(full) - set(want))}"
+        )
+    for name in sorted(set(full) & set(want)):
+        try:
+            torch.testing.assert_close(full[name], want[name], rtol=rtol, atol=atol)
+        except AssertionError as e:
+            problems.append(f"parameter {name!r}: {e}")
+    return problems

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
 
 from _dist import WORLD_SIZES, run_distributed
-from models import IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
+from models import IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -108,17 +108,7 @@ def check_parity(results, world_size):
     """Every rank's full parameters and losses match its reference, every mismatch listed."""
     problems = []
     for rank, res in enumerate(results):
-        full, ref = res["full"], res["ref"]
-        if set(full) != set(ref):
-            problems.append(
-                f"rank {rank}: parameter names differ from the unwrapped model's: "
-                f"missing {sorted(set(ref) - set(full))}, unexpected {sorted(set(full) - set(ref))}"
-            )
-        for name in sorted(set(full) & set(ref)):
-            try:
-                torch.testing.assert_close(full[name], ref[name], rtol=RTOL, atol=ATOL)
-            except AssertionError as e:
-                problems.append(f"rank {rank}: parameter {name!r}: {e}")
+        problems += [f"rank {rank}: {p}" for p in param_mismatches(res["full"], res["ref"], RTOL, ATOL)]
         try:
             torch.testing.assert_close(
                 torch.tensor(res["losses"], dtype=torch.float64),

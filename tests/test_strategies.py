@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import GPT, IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
+from models import GPT, IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -332,17 +332,9 @@ def _train_one(rank, world_size, impl, cfg, hybrid_groups, mesh) -> list[str]:
         full = {n: p.detach().clone() for n, p in model.named_parameters()}
     check_nothing_unsharded("after summon_full_params")
 
-    want = ref["params"]
-    if set(full) != set(want):
-        problems.append(
-            f"parameter names differ from the unwrapped model's: missing {sorted(set(want) - set(full))}, "
-            f"unexpected {sorted(set(full) - set(want))}"
-        )
-    for name in sorted(set(full) & set(want)):
-        try:
-            torch.testing.assert_close(full[name], want[name], rtol=RTOL, atol=ATOL)
-        except AssertionError as e:
-            problems.append(f"parameter {name!r} after {STEPS} steps:\n    {_first_lines(e)}")
+    problems += [
+        f"after {STEPS} steps: {_first_lines(p)}" for p in param_mismatches(full, ref["params"], RTOL, ATOL)
+    ]
     series = (
         ("per-step losses", got_losses, ref["losses"], RTOL),
         ("no_grad eval losses", got_eval, ref["eval_losses"] if cfg["edge"] == "no_grad_forward" else [], RTOL),

@@ -970,8 +970,13 @@ class FullyShardedDataParallel(nn.Module):
     for _name in (
         "register_comm_hook",
         "optim_state_dict",
+        "optim_state_dict_to_load",
         "full_optim_state_dict",
         "sharded_optim_state_dict",
+        "shard_full_optim_state_dict",
+        "scatter_full_optim_state_dict",
+        "flatten_sharded_optim_state_dict",
+        "rekey_optim_state_dict",
     ):
         locals()[_name] = _not_yet(_name)
     del _name, _not_yet
