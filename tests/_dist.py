@@ -72,9 +72,29 @@ __all__ = [
     "DistributedTestFailure",
     "DistributedTestTimeout",
     "WORLD_SIZES",
+    "check_same_outcome",
     "run_distributed",
     "world_sizes",
 ]
+
+def check_same_outcome(what: str, error: str | None, group) -> None:
+    """Inside a rank running several cases: raises unless every rank ended ``what`` alike.
+
+    ``error`` is this rank's traceback text, or None. The same outcome everywhere (ok, or
+    the same exception) means the ranks left the case at the same point; otherwise the
+    default group may be out of step and the remaining cases must not run.
+    """
+    import torch.distributed as dist
+
+    outcome = "ok" if error is None else error.strip().splitlines()[-1]
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, outcome, group=group)
+    if len(set(outcomes)) > 1:
+        raise RuntimeError(
+            f"{what} ended differently across ranks (by rank: {outcomes}); the remaining cases "
+            f"were not run. This rank's error:\n{error or 'none'}"
+        )
+
 
 #: World sizes every distributed test runs at (pytest param list).
 WORLD_SIZES = [1, 2, 4]

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from _dist import check_same_outcome, run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 WORLD_SIZE = 2
@@ -190,14 +190,7 @@ def _profile_scenarios(rank, world_size, scenarios) -> dict:
             out[name] = {"error": error}
             print(error, flush=True)
         gc.collect()
-        outcome = "ok" if error is None else error.strip().splitlines()[-1]
-        outcomes: list = [None] * world_size
-        dist.all_gather_object(outcomes, outcome, group=control)
-        if len(set(outcomes)) > 1:
-            raise RuntimeError(
-                f"scenario {name!r} ended differently across ranks (by rank: {outcomes}); the "
-                f"remaining scenarios were not run. This rank's error:\n{error or 'none'}"
-            )
+        check_same_outcome(f"scenario {name!r}", error, control)
     return out
 
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from _dist import check_same_outcome, run_distributed
 from models import GPT, IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
 
 RTOL = 1e-5
@@ -128,10 +128,6 @@ CONFIGS = {
         _cfg("hybrid_zero2-tuple-no_grad_forward", "_HYBRID_SHARD_ZERO2", hybrid="tuple", edge="no_grad_forward"),
     ],
 }
-
-#: Configs torch's FSDP1 cannot run on CPU/gloo, with the reason (their torch runs skip).
-TORCH_UNSUPPORTED: dict[str, str] = {}
-
 
 # ------------------------------------------------------------------ models
 
@@ -385,17 +381,7 @@ def _train_configs(rank, world_size, impl, configs) -> dict:
             print(error, flush=True)
         gc.collect()
         out[name] = {"status": status, "problems": problems, "error": error, "seconds": time.perf_counter() - start}
-        # Same outcome everywhere (ok, or the same exception: e.g. NotImplementedError at
-        # wrap time) means the ranks left the config at the same point. Otherwise the
-        # default group may be out of step: give up on the remaining configs.
-        outcome = "ok" if error is None else error.strip().splitlines()[-1]
-        outcomes: list = [None] * world_size
-        dist.all_gather_object(outcomes, outcome, group=control)
-        if len(set(outcomes)) > 1:
-            raise RuntimeError(
-                f"config {name!r} ended differently across ranks (by rank: {outcomes}); the "
-                f"remaining configs were not run. This rank's error:\n{error or 'none'}"
-            )
+        check_same_outcome(f"config {name!r}", error, control)
     return out
 
 
@@ -409,10 +395,9 @@ def _results(impl: str, world_size: int):
     a failed run is cached as its exception and re-raised by every test)."""
     key = (impl, world_size)
     if key not in _RESULTS:
-        configs = [c for c in CONFIGS[world_size] if not (impl == "torch" and c["name"] in TORCH_UNSUPPORTED)]
         try:
             _RESULTS[key] = run_distributed(
-                _train_configs, world_size, impl, configs, timeout=300.0, pg_timeout=PG_TIMEOUT_S
+                _train_configs, world_size, impl, CONFIGS[world_size], timeout=300.0, pg_timeout=PG_TIMEOUT_S
             )
         except Exception as e:  # noqa: BLE001 - re-raised by each test below
             _RESULTS[key] = e
@@ -431,8 +416,6 @@ def _cases():
 
 @pytest.mark.parametrize("impl,world_size,name", list(_cases()))
 def test_strategy_parity(impl, world_size, name):
-    if impl == "torch" and name in TORCH_UNSUPPORTED:
-        pytest.skip(f"torch FSDP1 on CPU/gloo: {TORCH_UNSUPPORTED[name]}")
     cfg = next(c for c in CONFIGS[world_size] if c["name"] == name)
     results = _results(impl, world_size)
     msgs = []

@@ -7,29 +7,12 @@ A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel``::
 
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
-from flatshard import _C, wrap  # noqa: F401  (flatshard._C: the runtime, for tests and tools)
-from flatshard.api import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullStateDictConfig,
-    MixedPrecision,
-    ShardingStrategy,
-    StateDictType,
-)
+from flatshard import _C, api, wrap  # noqa: F401  (flatshard._C: the runtime, for tests and tools)
+from flatshard.api import *  # noqa: F401,F403  (torch's enums and configs, see api.py)
 from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
 FSDP = FullyShardedDataParallel
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackwardPrefetch",
-    "CPUOffload",
-    "FSDP",
-    "FullStateDictConfig",
-    "FullyShardedDataParallel",
-    "MixedPrecision",
-    "ShardingStrategy",
-    "StateDictType",
-    "wrap",
-]
+__all__ = [*api.__all__, "FSDP", "FullyShardedDataParallel", "wrap"]

@@ -496,14 +496,14 @@ class FullyShardedDataParallel(nn.Module):
                     if unit._handle is not None and unit._sync_gradients:
                         unit._reshard()
             return output
-        if use is None:
-            use = _Use(self, speculative=True)  # only for its place in the order
-        use.order = root._post_forward_order
-        use.index = len(use.order)
-        use.order.append(self)
+        order = root._post_forward_order
+        index = len(order)
+        order.append(self)
+        if use is not None:
+            use.order, use.index = order, index
         # The hook keeps the order and the index, not the use: only the views'
         # node may keep a use alive (a node that cannot run is no pending use).
-        hook = functools.partial(self._pre_backward, use.order, use.index)
+        hook = functools.partial(self._pre_backward, order, index)
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if len(tensors) == 1:  # the common case, and much cheaper than a multi-grad hook
             tensors[0].register_hook(hook)
