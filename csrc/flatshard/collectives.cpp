@@ -1,18 +1,43 @@
 #include "flatshard/collectives.h"
 
+#include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <optional>
 
 namespace flatshard {
 
 struct Collectives::Impl {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::optional<bool> cpu_backend_is_gloo;  // looked up on first use
 };
 
+// [Note: gloo's temporaries]
+// gloo runs each collective on a worker thread of its own, with temporaries
+// that live as long as the work object: a flat copy of an all-gather's
+// output, and for reduce-scatter (an all-reduce of a clone of the input, this
+// rank's chunk copied out when the host waits) the clone. Holding the work
+// until the host next waits would keep them over the whole unit of compute
+// the collective overlaps, and on the host side nothing runs between a
+// unit's pre-backward and post-backward. So on gloo:
+// - all-gather and all-reduce are tracked through their future only: once
+//   gloo's worker finishes, it drops the last reference to the work, and the
+//   temporaries go at once. The future completes after the result is written
+//   and carries the collective's error.
+// - reduce-scatter is an all-reduce in place of the input (what gloo does on
+//   a clone) whose completion callback, on gloo's thread, copies this rank's
+//   chunk into the output and drops the input. The caller need not keep the
+//   input (holds_reduce_scatter_input).
+// Other backends (NCCL) keep the work: its wait() orders streams.
 namespace {
 
-CommWork wrap(c10::intrusive_ptr<c10d::Work> work) {
+CommWork track_work(c10::intrusive_ptr<c10d::Work> work) {
   return CommWork([work]() { work->wait(); }, [work]() { return work->isCompleted(); });
+}
+
+CommWork track_future(c10::intrusive_ptr<c10::ivalue::Future> future) {
+  return CommWork([future]() { future->waitAndThrow(); }, [future]() { return future->completed(); });
 }
 
 }  // namespace
@@ -24,7 +49,7 @@ void CommWork::wait() {
 }
 
 Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : impl_(std::make_unique<Impl>(Impl{std::move(group)})) {
+    : impl_(std::make_unique<Impl>(Impl{std::move(group), std::nullopt})) {
   TORCH_CHECK(impl_->group, "flatshard: expected a process group but got None");
 }
 Collectives::~Collectives() = default;
@@ -35,23 +60,58 @@ std::int64_t Collectives::rank() const { return impl_->group->getRank(); }
 std::int64_t Collectives::size() const { return impl_->group->getSize(); }
 const c10::intrusive_ptr<c10d::ProcessGroup>& Collectives::group() const { return impl_->group; }
 
+bool Collectives::is_cpu_gloo(const c10::Device& device) const {
+  if (device.type() != c10::DeviceType::CPU) return false;
+  if (!impl_->cpu_backend_is_gloo.has_value()) {
+    bool gloo = false;
+    for (const c10::Device& d : impl_->group->getDeviceTypes()) {
+      if (d.type() == c10::DeviceType::CPU) {
+        gloo = impl_->group->getBackend(c10::DeviceType::CPU)->getBackendName() == "gloo";
+      }
+    }
+    impl_->cpu_backend_is_gloo = gloo;
+  }
+  return *impl_->cpu_backend_is_gloo;
+}
+
+bool Collectives::holds_reduce_scatter_input(const c10::Device& device) const { return is_cpu_gloo(device); }
+
 CommWork Collectives::all_gather(at::Tensor& output, at::Tensor& input) {
   TORCH_INTERNAL_ASSERT(output.numel() == input.numel() * size());
-  return wrap(impl_->group->_allgather_base(output, input));
+  auto work = impl_->group->_allgather_base(output, input);
+  return is_cpu_gloo(output.device()) ? track_future(work->getFuture()) : track_work(std::move(work));
 }
 
 CommWork Collectives::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) {
   TORCH_INTERNAL_ASSERT(input.numel() == output.numel() * size());
+  if (is_cpu_gloo(output.device())) {
+    // See [Note: gloo's temporaries].
+    std::vector<at::Tensor> tensors{input};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    auto future = impl_->group->allreduce(tensors, opts)->getFuture();
+    // Mutable through the pointer: the callback is called as const.
+    auto chunk = std::make_shared<at::Tensor>(input.view({size(), output.numel()}).select(0, rank()));
+    auto done = future->then(
+        [chunk, output](c10::ivalue::Future& /*all_reduce*/) {
+          output.view(-1).copy_(*chunk);
+          *chunk = at::Tensor();  // the input goes here, on gloo's thread
+          return c10::IValue();
+        },
+        c10::NoneType::get());
+    return track_future(std::move(done));
+  }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  return wrap(impl_->group->_reduce_scatter_base(output, input, opts));
+  return track_work(impl_->group->_reduce_scatter_base(output, input, opts));
 }
 
 CommWork Collectives::all_reduce_sum(at::Tensor& tensor) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  return wrap(impl_->group->allreduce(tensors, opts));
+  auto work = impl_->group->allreduce(tensors, opts);
+  return is_cpu_gloo(tensor.device()) ? track_future(work->getFuture()) : track_work(std::move(work));
 }
 
 }  // namespace flatshard

@@ -6,6 +6,7 @@
 // ownership of the process group it was given (never creates one).
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
@@ -14,6 +15,7 @@
 
 namespace c10d {
 class ProcessGroup;
+class Work;
 }
 
 namespace flatshard {
@@ -54,10 +56,17 @@ class Collectives {
   // SUM over ranks of `input` (size() * output.numel()), chunk r to rank r.
   // Non-blocking. Callers divide explicitly: gloo's AVG is not trustworthy here.
   CommWork reduce_scatter_sum(at::Tensor& output, at::Tensor& input);
+  // Whether a reduce-scatter on `device` keeps what it needs of its input
+  // alive by itself, so the caller may drop the input when
+  // reduce_scatter_sum returns (gloo: see [Note: gloo's temporaries]). The
+  // input's contents are undefined afterwards either way.
+  bool holds_reduce_scatter_input(const c10::Device& device) const;
   // SUM over ranks, in place. Non-blocking.
   CommWork all_reduce_sum(at::Tensor& tensor);
 
  private:
+  bool is_cpu_gloo(const c10::Device& device) const;
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -31,9 +31,9 @@ class EventFence final : public Fence {
 
 // On the CPU a buffer is busy while the all-gather into it runs on the
 // process group's thread: its fence is the collective's completion. It
-// watches the work without owning it: once the scheduler waited on and
-// dropped the work (which may hold the backend's temporary buffers, gloo's
-// flat copy of the output for one), the fence is complete.
+// watches the work without owning it: once the collective completed, or the
+// scheduler waited on it and dropped it, the fence is complete (gloo's
+// temporaries are gone by then: [Note: gloo's temporaries]).
 class WorkFence final : public Fence {
  public:
   explicit WorkFence(std::weak_ptr<CommWork> work) : work_(std::move(work)) {}
@@ -178,6 +178,9 @@ void Scheduler::reduce_grad(FlatParam& unit, double divide_factor, bool all_redu
     RECORD_USER_SCOPE(unit.reduce_scatter_range());
     record.grad_shard = at::empty({unit.layout().shard_numel()}, record.flat_grad.options());
     record.shard_work = shard_.reduce_scatter_sum(record.grad_shard, record.flat_grad);
+    // The collective holds the input itself (gloo) and drops it when done,
+    // rather than when the host next completes reductions.
+    if (shard_.holds_reduce_scatter_input(device_)) record.flat_grad = at::Tensor();
   }
   reductions_.push_back(std::move(record));
 }

@@ -123,8 +123,8 @@ class Scheduler {
   };
 
   // Completes, without blocking, the reductions whose collectives are done, so
-  // their buffers (and the backend's copies, gloo's clone of the input for
-  // one) go as early as the host notices. Called from unshard(). Issues no
+  // their buffers go as early as the host notices (on gloo the input is gone
+  // already: [Note: gloo's temporaries]). Called from unshard(). Issues no
   // collective: a reduction that still needs its replica all-reduce waits for
   // the next fixed point (post_backward, reduce_grad, finish_grad_sync).
   void reap_completed_reductions();
