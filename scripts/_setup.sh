@@ -30,8 +30,12 @@ fi
 if [[ "${FLATSHARD_BUILD_TESTS:-OFF}" == ON ]] && ! [[ -e /usr/include/gtest/gtest.h ]]; then
   echo "== installing GoogleTest (Debian libgtest-dev)"
   if [[ $(id -u) -eq 0 ]]; then SUDO=(); else SUDO=(sudo); fi
-  "${SUDO[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq libgtest-dev >/dev/null
+  if ! { "${SUDO[@]}" apt-get update -qq &&
+         DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq libgtest-dev >/dev/null; }; then
+    echo "error: GoogleTest is missing and could not be installed (Debian's libgtest-dev)." >&2
+    echo "       Install it, or run the Python tests alone with FLATSHARD_CPP_TESTS=0." >&2
+    exit 1
+  fi
 fi
 
 echo "== building flatshard (torch $("$PY" -c 'import torch; print(torch.__version__)'))"

@@ -46,6 +46,7 @@ def _reduction_input_freed_at_completion(rank: int, world_size: int) -> dict:
     unit.accumulate_grad(_grads(rank))
     flat_grad = weakref.ref(unit.unsharded_grad)  # dies with the C++ tensor (PyObject preservation)
     assert flat_grad() is not None
+    dist.barrier()
     if rank == 1:
         time.sleep(0.5)  # rank 0's collective cannot complete before this rank joins it
     scheduler.reduce_grad(unit, float(world_size), False)
@@ -95,3 +96,31 @@ def _all_gather_and_all_reduce(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_gather_on_gloo(world_size):
     run_distributed(_all_gather_and_all_reduce, world_size, timeout=60.0)
+
+
+def _failed_reduction_raises(rank: int, world_size: int) -> str:
+    from flatshard import _C
+
+    unit, _ = _unit(rank, world_size)
+    scheduler = _C.Scheduler(dist.group.WORLD, None, torch.device("cpu"), 2)
+    unit.accumulate_grad(_grads(rank))
+    dist.barrier()
+    if rank == 1:
+        dist.destroy_process_group()  # never joins the reduction: rank 0's must fail, not pass
+        return "left"
+    scheduler.reduce_grad(unit, float(world_size), False)
+    try:
+        scheduler.finish_grad_sync()
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a reduce-scatter whose peer never joined completed without an error")
+    assert unit.local_shard.grad is None  # nothing half-reduced reached .grad
+    dist.destroy_process_group()
+    return message
+
+
+def test_failed_reduction_raises_on_wait():
+    results = run_distributed(_failed_reduction_raises, 2, timeout=60.0, pg_timeout=3.0)
+    assert results[1] == "left"
+    assert results[0], "the error names nothing"

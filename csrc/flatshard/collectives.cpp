@@ -27,8 +27,10 @@ struct Collectives::Impl {
 //   and carries the collective's error.
 // - reduce-scatter is an all-reduce in place of the input (what gloo does on
 //   a clone) whose completion callback, on gloo's thread, copies this rank's
-//   chunk into the output and drops the input. The caller need not keep the
-//   input (holds_reduce_scatter_input).
+//   chunk into the output and drops the input; a failed all-reduce fails the
+//   returned work instead. The caller need not keep the input
+//   (holds_reduce_scatter_input). Should the input still have a Python object,
+//   dropping it there takes the GIL: every scheduler binding releases it.
 // Other backends (NCCL) keep the work: its wait() orders streams.
 namespace {
 
@@ -93,9 +95,11 @@ CommWork Collectives::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) 
     // Mutable through the pointer: the callback is called as const.
     auto chunk = std::make_shared<at::Tensor>(input.view({size(), output.numel()}).select(0, rank()));
     auto done = future->then(
-        [chunk, output](c10::ivalue::Future& /*all_reduce*/) {
-          output.view(-1).copy_(*chunk);
-          *chunk = at::Tensor();  // the input goes here, on gloo's thread
+        [chunk, output](c10::ivalue::Future& all_reduce) {
+          at::Tensor input = std::move(*chunk);  // goes when this returns, on gloo's thread
+          // then() calls back on failure too: pass the error on, never a half-reduced chunk.
+          if (all_reduce.hasError()) std::rethrow_exception(all_reduce.exception_ptr());
+          output.view(-1).copy_(input);
           return c10::IValue();
         },
         c10::NoneType::get());

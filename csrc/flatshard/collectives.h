@@ -22,8 +22,8 @@ namespace flatshard {
 
 // A collective in flight. wait() blocks the host until the result is usable
 // on the current stream (gloo), or makes the current stream wait for it
-// without blocking the host (NCCL). Safe to call twice; throws c10::Error if
-// the collective failed or timed out.
+// without blocking the host (NCCL). Safe to call twice; throws the
+// collective's error (c10::Error, or the backend's) if it failed or timed out.
 class CommWork {
  public:
   CommWork() = default;

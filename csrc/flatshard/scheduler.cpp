@@ -180,7 +180,7 @@ void Scheduler::reduce_grad(FlatParam& unit, double divide_factor, bool all_redu
     record.shard_work = shard_.reduce_scatter_sum(record.grad_shard, record.flat_grad);
     // The collective holds the input itself (gloo) and drops it when done,
     // rather than when the host next completes reductions.
-    if (shard_.holds_reduce_scatter_input(device_)) record.flat_grad = at::Tensor();
+    if (shard_.holds_reduce_scatter_input(record.flat_grad.device())) record.flat_grad = at::Tensor();
   }
   reductions_.push_back(std::move(record));
 }
