@@ -113,8 +113,6 @@ def test_meta_module_with_reset_parameters_is_materialized(single_rank):
     [
         ({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, "mixed_precision"),
         ({"use_orig_params": True}, "use_orig_params"),
-        ({"sync_module_states": True}, "sync_module_states"),
-        ({"param_init_fn": lambda m: None}, "param_init_fn"),
     ],
 )
 def test_unimplemented_arguments_raise_naming_them(single_rank, kwargs, name):

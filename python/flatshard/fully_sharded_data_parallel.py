@@ -102,8 +102,6 @@ _OWNER_ATTR = "_flatshard_owner"
 _NOT_YET = {
     "cpu_offload": (None, CPUOffload(offload_params=False)),
     "mixed_precision": (None, MixedPrecision()),
-    "param_init_fn": (None,),
-    "sync_module_states": (False,),
     "use_orig_params": (False,),
     "ignored_states": (None,),
 }
@@ -173,8 +171,16 @@ class FullyShardedDataParallel(nn.Module):
     ``process_group`` (a group, or a (shard, replicate) tuple for hybrid),
     ``sharding_strategy`` (all five), ``auto_wrap_policy`` (ours or torch's),
     ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``,
-    ``ignored_modules``, ``device_id`` and ``device_mesh``. Any other argument
-    with a non-default value raises ``NotImplementedError`` naming it.
+    ``ignored_modules``, ``param_init_fn``, ``device_id``,
+    ``sync_module_states`` and ``device_mesh``. Any other argument with a
+    non-default value raises ``NotImplementedError`` naming it.
+
+    A unit with tensors on the meta device is materialized when it is wrapped,
+    one unit at a time: by ``param_init_fn``, called on each of the unit's
+    modules (as torch does), or else by the modules' ``reset_parameters()``.
+    ``sync_module_states=True`` then broadcasts the unit's parameters and
+    buffers from the first rank of its group (and, for hybrid sharding, of
+    its replicate group) before sharding.
 
     After wrapping, ``parameters()`` yields the local shards (one flat
     parameter per unit) for the optimizer, as torch's FSDP does with
@@ -206,8 +212,6 @@ class FullyShardedDataParallel(nn.Module):
         given = dict(
             cpu_offload=cpu_offload,
             mixed_precision=mixed_precision,
-            param_init_fn=param_init_fn,
-            sync_module_states=sync_module_states,
             use_orig_params=use_orig_params,
             ignored_states=ignored_states,
         )
@@ -223,6 +227,11 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(
                 f"FullyShardedDataParallel: sharding_strategy: expected a ShardingStrategy but got "
                 f"{sharding_strategy!r}"
+            )
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ValueError(
+                f"FullyShardedDataParallel: param_init_fn: expected a callable taking a module but got "
+                f"{param_init_fn!r}"
             )
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise ValueError(
@@ -254,6 +263,8 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_prefetch = backward_prefetch
         self._forward_prefetch = bool(forward_prefetch)
         self._limit_all_gathers = bool(limit_all_gathers)
+        self._param_init_fn = param_init_fn
+        self._sync_module_states = bool(sync_module_states)
         self._device = _resolve_device(device_id, module, _unit_name)
         self._unit_name = _unit_name
 
@@ -270,6 +281,8 @@ class FullyShardedDataParallel(nn.Module):
                 device_id=device_id,
                 forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers,
+                param_init_fn=param_init_fn,
+                sync_module_states=sync_module_states,
             )
             names = {m: name for name, m in module.named_modules()}
             plan = _plan_wraps(
@@ -317,7 +330,11 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         """Collects the unit's parameters, materializes and moves them, flattens and shards."""
         unit_modules = list(_unit_modules(module, ignored))
-        meta_originals = _materialize_meta(unit_modules, self._device, self._unit_name)
+        if self._param_init_fn is not None and _has_meta(unit_modules):
+            _materialize_with(self._param_init_fn, unit_modules, self._unit_name)
+            meta_originals: dict[int, nn.Parameter] = {}
+        else:
+            meta_originals = _materialize_meta(unit_modules, self._device, self._unit_name)
         for _, m in unit_modules:  # buffers go where the parameters go (torch moves the whole module)
             for attr, b in m._buffers.items():
                 if b is not None and b.device != self._device:
@@ -351,17 +368,23 @@ class FullyShardedDataParallel(nn.Module):
         self._param_slots = slots
         self._param_names = names
         self._handle = None
+        if params:
+            _check_uniform(params, names, self._unit_name)
+        if params and params[0].device != self._device:
+            with torch.no_grad():
+                for p in params:
+                    p.data = p.data.to(self._device)
+        if self._sync_module_states:
+            buffers = list({id(b): b for _, m in unit_modules for b in m._buffers.values() if b is not None}.values())
+            for group in (self._process_group, self._replicate_group):
+                if group is not None:
+                    _broadcast_from_first_rank([p.detach() for p in params] + buffers, group)
         if not params:
             return
-        _check_uniform(params, names, self._unit_name)
         for p, fqn in zip(params, names):
             setattr(p, _OWNER_ATTR, (self._unit_name, fqn))
             if id(p) in meta_originals:  # other units may still hold the meta original
                 setattr(meta_originals[id(p)], _OWNER_ATTR, (self._unit_name, fqn))
-        if params[0].device != self._device:
-            with torch.no_grad():
-                for p in params:
-                    p.data = p.data.to(self._device)
         layout = _C.FlatParamLayout([list(p.shape) for p in params], self._shard_factor)
         with torch.no_grad():
             shard_rank = self._rank if self._shard_factor > 1 else 0
@@ -1187,6 +1210,53 @@ def _materialize_meta(
         for m in todo:
             m.reset_parameters()
     return old_of
+
+
+def _has_meta(unit_modules: list[tuple[str, nn.Module]]) -> bool:
+    return any(
+        t.is_meta for _, m in unit_modules for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+    )
+
+
+def _materialize_with(
+    param_init_fn: Callable[[nn.Module], None], unit_modules: list[tuple[str, nn.Module]], unit_name: str
+) -> None:
+    """Calls ``param_init_fn`` on every module of the unit, as torch's FSDP does; checks nothing is left on meta.
+
+    Parameters tied before are tied after only if ``param_init_fn`` keeps them
+    so (``to_empty`` does not: re-tie them in ``param_init_fn``, as with torch).
+    """
+    # Breadth-first, root first, as torch calls it (a re-tie in param_init_fn may rely on that).
+    for _, m in sorted(unit_modules, key=lambda pm: pm[0].count(".") + 1 if pm[0] else 0):
+        param_init_fn(m)
+    for prefix, m in unit_modules:
+        for attr, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None and t.is_meta:
+                name = _join(unit_name, _join(prefix, attr))
+                raise ValueError(
+                    f"FullyShardedDataParallel: '{name}' is still on the meta device after param_init_fn "
+                    f"ran on module '{_join(unit_name, prefix) or type(m).__name__}'. param_init_fn must "
+                    f"materialize the module's own parameters and buffers, e.g. "
+                    f"module.to_empty(device=..., recurse=False) followed by their initialization."
+                )
+
+
+def _broadcast_from_first_rank(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """sync_module_states: every rank of ``group`` gets its first rank's values, in one broadcast per dtype."""
+    if dist.get_world_size(group) == 1 or not tensors:
+        return
+    src = dist.get_global_rank(group, 0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for same in by_dtype.values():  # the same order on every rank: the module's
+            flat = torch.cat([t.reshape(-1) for t in same])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def _check_uniform(params: list[nn.Parameter], names: list[str], unit_name: str) -> None:
