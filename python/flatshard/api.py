@@ -8,6 +8,7 @@ exactly the same objects.
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
     FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
@@ -17,6 +18,7 @@ from torch.distributed.fsdp import (
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "MixedPrecision",
     "ShardingStrategy",

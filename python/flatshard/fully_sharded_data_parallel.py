@@ -80,6 +80,7 @@ from flatshard import _C
 from flatshard.api import (
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
     FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
@@ -308,6 +309,7 @@ class FullyShardedDataParallel(nn.Module):
         self._units: list[FullyShardedDataParallel] = []
         self._in_summon = False
         self._state_dict_config = FullStateDictConfig()
+        self._optim_state_dict_config = FullOptimStateDictConfig()
         self._register_load_state_dict_pre_hook(self._pre_load_state_dict)
         self.register_load_state_dict_post_hook(self._post_load_state_dict)
         # Live uses of this unit's parameters (see _Use and [Note: Pending uses]).
@@ -941,10 +943,12 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel.set_state_dict_type: expected a FullStateDictConfig for "
                 f"FULL_STATE_DICT but got {state_dict_config!r}"
             )
-        if optim_state_dict_config is not None:
-            raise NotImplementedError(
-                "FullyShardedDataParallel.set_state_dict_type: optim_state_dict_config is not implemented "
-                "in flatshard yet (nor are optimizer state dicts)."
+        if optim_state_dict_config is None:
+            optim_state_dict_config = FullOptimStateDictConfig()
+        if not isinstance(optim_state_dict_config, FullOptimStateDictConfig):
+            raise ValueError(
+                f"FullyShardedDataParallel.set_state_dict_type: expected a FullOptimStateDictConfig for "
+                f"FULL_STATE_DICT but got {optim_state_dict_config!r}"
             )
         units = FullyShardedDataParallel.fsdp_modules(module)
         if not units:
@@ -952,6 +956,7 @@ class FullyShardedDataParallel(nn.Module):
         previous = (StateDictType.FULL_STATE_DICT, units[0]._state_dict_config)
         for unit in units:
             unit._state_dict_config = state_dict_config
+            unit._optim_state_dict_config = optim_state_dict_config
         return previous
 
     @staticmethod
@@ -971,13 +976,143 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: Any = None,
     ) -> Iterator[None]:
         """Within the context, the units of ``module`` use this state dict type and config."""
+        units = FullyShardedDataParallel.fsdp_modules(module)
+        previous_optim = units[0]._optim_state_dict_config if units else None
         previous = FullyShardedDataParallel.set_state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
         )
         try:
             yield
         finally:
-            FullyShardedDataParallel.set_state_dict_type(module, *previous)
+            FullyShardedDataParallel.set_state_dict_type(module, *previous, previous_optim)
+
+    # [Note: Optimizer state dicts]
+    # FULL_STATE_DICT format, as torch's FSDP1 writes it: {"state": {original
+    # parameter name: {key: value}}, "param_groups": [{..., "params": [names]}]}.
+    # The optimizer steps the flat shards, so a state tensor shaped like a shard
+    # (Adam's moments) is all-gathered over the shard group, its padding dropped
+    # and split at the layout's offsets into one tensor per original parameter;
+    # anything else (a scalar ``step``) is repeated for each. A tied parameter
+    # appears once, under its first name. Loading is the reverse: each rank
+    # concatenates a unit's entries in flat order, pads, and keeps its shard.
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """The optimizer's state under the original parameter names (see [Note: Optimizer state dicts]).
+
+        Collective over every unit's group: every rank must call it.
+        ``optim_state_dict`` defaults to ``optim.state_dict()``. The units'
+        FullOptimStateDictConfig applies: ``offload_to_cpu`` (default True)
+        and ``rank0_only`` (other ranks get ``{}``).
+        """
+        if group is not None:
+            raise NotImplementedError(
+                "FullyShardedDataParallel.optim_state_dict: group= is not implemented in flatshard; the "
+                "units' own groups are used."
+            )
+        osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+        entries, config = _optim_entries(model, optim, "optim_state_dict")
+        keep = not config.rank0_only or dist.get_rank() == 0
+        state: dict[str, dict[str, Any]] = {}
+        names_of: dict[int, list[str]] = {}
+        for index, entry in enumerate(entries):
+            values = osd["state"].get(index, {})
+            if entry.unit is None:
+                names_of[index] = [entry.name]
+                full = {entry.name: dict(values)}
+            else:
+                names_of[index] = list(entry.names)
+                full = _unflatten_state(entry, values)
+            if keep:
+                for name, per_param in full.items():
+                    if per_param:
+                        state[name] = {
+                            k: (v.detach().clone().cpu() if config.offload_to_cpu else v.detach().clone())
+                            if isinstance(v, torch.Tensor) else v
+                            for k, v in per_param.items()
+                        }
+        if not keep:
+            return {}
+        groups = []
+        for g in osd["param_groups"]:
+            g = dict(g)
+            g["params"] = [name for index in g["params"] for name in names_of[index]]
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """Turns a state dict from ``optim_state_dict`` (ours or torch's FSDP1, FULL) into one for ``optim``.
+
+        Each rank keeps its shard of every unit's state. With the units'
+        ``rank0_only`` config only rank 0 needs to pass the dict (it is
+        broadcast). ``load_directly`` also loads it into ``optim``.
+        """
+        if is_named_optimizer or group is not None:
+            raise NotImplementedError(
+                "FullyShardedDataParallel.optim_state_dict_to_load: is_named_optimizer and group= are not "
+                "implemented in flatshard."
+            )
+        entries, config = _optim_entries(model, optim, "optim_state_dict_to_load")
+        if config.rank0_only:
+            box = [optim_state_dict if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            optim_state_dict = box[0]
+        if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict or "param_groups" not in optim_state_dict:
+            raise ValueError(
+                "FullyShardedDataParallel.optim_state_dict_to_load: expected the dict that "
+                "FSDP.optim_state_dict() returns ({'state': ..., 'param_groups': ...}) but got "
+                f"{type(optim_state_dict).__name__} with keys {sorted(optim_state_dict) if isinstance(optim_state_dict, dict) else '-'}"
+            )
+        full_state = optim_state_dict["state"]
+        state: dict[int, dict[str, Any]] = {}
+        for index, entry in enumerate(entries):
+            names = [entry.name] if entry.unit is None else list(entry.names)
+            present = [n for n in names if n in full_state]
+            if not present:
+                continue
+            if len(present) != len(names):
+                missing = [n for n in names if n not in full_state]
+                raise ValueError(
+                    f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict has state for "
+                    f"'{present[0]}' but not for {missing}, which the optimizer steps as one flat "
+                    f"parameter (unit '{entry.unit._unit_name or '<root>'}'); save and load the whole model's "
+                    f"optimizer state."
+                )
+            device = entry.param.device
+            if entry.unit is None:
+                state[index] = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in full_state[entry.name].items()}
+            else:
+                state[index] = _flatten_state(entry, [full_state[n] for n in names], device)
+        groups = []
+        saved_groups = optim_state_dict["param_groups"]
+        if len(saved_groups) != len(optim.param_groups):
+            raise ValueError(
+                f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict has {len(saved_groups)} "
+                f"param groups but the optimizer has {len(optim.param_groups)}."
+            )
+        position = 0
+        for saved, current in zip(saved_groups, optim.param_groups):
+            g = {k: v for k, v in saved.items() if k != "params"}
+            g["params"] = list(range(position, position + len(current["params"])))
+            position += len(current["params"])
+            groups.append(g)
+        result = {"state": state, "param_groups": groups}
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
 
     def _not_yet(name: str) -> Callable:  # noqa: N805 - builds methods below
         def method(self, *args: Any, **kwargs: Any) -> Any:
@@ -993,8 +1128,6 @@ class FullyShardedDataParallel(nn.Module):
 
     for _name in (
         "register_comm_hook",
-        "optim_state_dict",
-        "optim_state_dict_to_load",
         "full_optim_state_dict",
         "sharded_optim_state_dict",
         "shard_full_optim_state_dict",
@@ -1210,6 +1343,93 @@ def _materialize_meta(
         for m in todo:
             m.reset_parameters()
     return old_of
+
+
+class _OptimEntry:
+    """One parameter the optimizer steps: a unit's flat shard (``unit`` set) or a plain parameter."""
+
+    def __init__(self, param: nn.Parameter, name: str, unit: "FullyShardedDataParallel | None", names: list[str]):
+        self.param, self.name, self.unit, self.names = param, name, unit, names
+
+
+def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) -> tuple[list[_OptimEntry], Any]:
+    """The optimizer's parameters in its order, each with its original name(s); and the optim config."""
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    if not units:
+        raise ValueError(f"FullyShardedDataParallel.{what}: expected a model with FSDP units but found none")
+    for root in FullyShardedDataParallel.fsdp_modules(model, root_only=True):
+        if root._is_root is None:
+            root._lazy_init()
+    unit_of = {id(u._flat_param): u for u in units if u._handle is not None}
+    # Names relative to ``model``: the unit's path in it, then the parameter's path in the unit.
+    path_of = {id(m): _clean_name(n) for n, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)}
+    plain_names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        if id(p) not in unit_of:
+            plain_names.setdefault(id(p), _clean_name(name))
+    entries = []
+    for group_ in optim.param_groups:
+        for p in group_["params"]:
+            unit = unit_of.get(id(p))
+            if unit is None:
+                if id(p) not in plain_names:
+                    raise ValueError(
+                        f"FullyShardedDataParallel.{what}: the optimizer steps a parameter of shape "
+                        f"{tuple(p.shape)} that is not in the model; pass the model the optimizer was built for."
+                    )
+                entries.append(_OptimEntry(p, plain_names[id(p)], None, []))
+                continue
+            cut = len(unit._unit_name) + 1 if unit._unit_name else 0
+            names = [_join(path_of[id(unit)], n[cut:]) for n in unit._param_names]
+            entries.append(_OptimEntry(p, names[0], unit, names))
+    return entries, units[0]._optim_state_dict_config
+
+
+def _unflatten_state(entry: _OptimEntry, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One unit's flat-shard optimizer state as full per-parameter state. Collective over its shard group."""
+    unit = entry.unit
+    handle = unit._handle
+    layout = handle.layout
+    per_param: dict[str, dict[str, Any]] = {n: {} for n in entry.names}
+    for key in sorted(values):
+        value = values[key]
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.param.shape:
+            flat = value.detach()
+            if not handle.is_replicated:
+                gathered = flat.new_empty(layout.padded_numel)
+                dist.all_gather_into_tensor(gathered, flat.contiguous(), group=unit._process_group)
+                flat = gathered
+            for name, offset, numel, shape in zip(entry.names, layout.offsets, layout.numels, layout.shapes):
+                per_param[name][key] = flat[offset : offset + numel].view(shape).clone()
+        else:
+            for name in entry.names:
+                per_param[name][key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return per_param
+
+
+def _flatten_state(entry: _OptimEntry, saved: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """Full per-parameter optimizer state (in the unit's flat order) as this rank's flat-shard state."""
+    handle = entry.unit._handle
+    layout = handle.layout
+    out: dict[str, Any] = {}
+    for key in saved[0]:
+        first = saved[0][key]
+        shaped = [isinstance(s.get(key), torch.Tensor) and tuple(s[key].shape) == tuple(shape)
+                  for s, shape in zip(saved, layout.shapes)]
+        if isinstance(first, torch.Tensor) and first.dim() > 0 and all(shaped):
+            flat = torch.cat([s[key].detach().reshape(-1).to(device) for s in saved])
+            flat = torch.cat([flat, flat.new_zeros(layout.padded_numel - flat.numel())])
+            begin, end = layout.shard_range(handle.rank)
+            out[key] = flat[begin:end].clone()
+        elif isinstance(first, torch.Tensor) and first.dim() > 0:
+            bad = [n for n, ok in zip(entry.names, shaped) if not ok][0]
+            raise ValueError(
+                f"FullyShardedDataParallel.optim_state_dict_to_load: state '{key}' of '{bad}' does not have "
+                f"the parameter's shape; expected a state dict from FSDP.optim_state_dict()."
+            )
+        else:  # a scalar such as Adam's step: the optimizer's load_state_dict places it
+            out[key] = first.clone() if isinstance(first, torch.Tensor) else first
+    return out
 
 
 def _has_meta(unit_modules: list[tuple[str, nn.Module]]) -> bool:
