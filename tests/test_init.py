@@ -139,7 +139,41 @@ def _init_errors(rank, world_size):
     seen = []
     FSDP(nn.Linear(2, 2), param_init_fn=seen.append)
     assert seen == []
+    # A tie split across units is reported as without param_init_fn, not silently untied.
+    from models import TiedLM
+
+    with torch.device("meta"):
+        split = TiedLM()
+    try:
+        FSDP(split, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"),
+             param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False))
+    except ValueError as e:
+        assert "tied parameters must live in one unit" in str(e) and "'emb.weight'" in str(e), str(e)
+    else:
+        raise AssertionError("a tie split across units was not reported with param_init_fn")
     dist.barrier()
+
+
+def _call_order(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2)))
+    prefix_of = {m: n for n, m in model.named_modules()}
+    calls = []
+
+    def param_init_fn(m):
+        calls.append(prefix_of[m])
+        m.to_empty(device="cpu", recurse=False)
+
+    FSDP(model, param_init_fn=param_init_fn)
+    return calls
+
+
+def test_param_init_fn_is_called_breadth_first_like_torch():
+    # torch's _get_modules_to_materialize: a breadth-first walk from the unit's root.
+    (calls,) = run_distributed(_call_order, 1)
+    assert calls == ["", "0", "1", "0.0", "0.1", "1.0"], calls
 
 
 def test_param_init_fn_errors():

@@ -267,6 +267,7 @@ class FullyShardedDataParallel(nn.Module):
         self._param_init_fn = param_init_fn
         self._sync_module_states = bool(sync_module_states)
         self._device = _resolve_device(device_id, module, _unit_name)
+        self._device_id_given = device_id is not None
         self._unit_name = _unit_name
 
         ignored = _expand_ignored(ignored_modules, module)
@@ -333,8 +334,11 @@ class FullyShardedDataParallel(nn.Module):
         """Collects the unit's parameters, materializes and moves them, flattens and shards."""
         unit_modules = list(_unit_modules(module, ignored))
         if self._param_init_fn is not None and _has_meta(unit_modules):
-            _materialize_with(self._param_init_fn, unit_modules, self._unit_name)
-            meta_originals: dict[int, nn.Parameter] = {}
+            meta_originals = _materialize_with(self._param_init_fn, unit_modules, self._unit_name)
+            if not self._device_id_given:  # as torch: the device param_init_fn chose
+                real = [t for _, m in unit_modules for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+                if real:
+                    self._device = real[0].device
         else:
             meta_originals = _materialize_meta(unit_modules, self._device, self._unit_name)
         for _, m in unit_modules:  # buffers go where the parameters go (torch moves the whole module)
@@ -351,16 +355,7 @@ class FullyShardedDataParallel(nn.Module):
                 if p is None or p in ignored_params:
                     continue
                 fqn = _join(self._unit_name, _join(prefix, attr))
-                owner = getattr(p, _OWNER_ATTR, None)
-                if owner is not None:
-                    owner_unit, owner_fqn = owner
-                    raise ValueError(
-                        f"FullyShardedDataParallel: parameter '{fqn}' is the same tensor as "
-                        f"'{owner_fqn}', which unit '{owner_unit or '<root>'}' already owns: tied "
-                        f"parameters must live in one unit. Put modules '{fqn.rpartition('.')[0] or '<root>'}' "
-                        f"and '{owner_fqn.rpartition('.')[0] or '<root>'}' into one unit, e.g. do not "
-                        f"wrap either on its own, so that their common parent owns the parameter."
-                    )
+                _check_not_owned(p, fqn)
                 if id(p) not in index_of:
                     index_of[id(p)] = len(params)
                     params.append(p)
@@ -1438,14 +1433,38 @@ def _has_meta(unit_modules: list[tuple[str, nn.Module]]) -> bool:
     )
 
 
+def _check_not_owned(p: torch.Tensor, fqn: str) -> None:
+    """Raises if another unit already owns ``p``: tied parameters must live in one unit."""
+    owner = getattr(p, _OWNER_ATTR, None)
+    if owner is None:
+        return
+    owner_unit, owner_fqn = owner
+    raise ValueError(
+        f"FullyShardedDataParallel: parameter '{fqn}' is the same tensor as "
+        f"'{owner_fqn}', which unit '{owner_unit or '<root>'}' already owns: tied "
+        f"parameters must live in one unit. Put modules '{fqn.rpartition('.')[0] or '<root>'}' "
+        f"and '{owner_fqn.rpartition('.')[0] or '<root>'}' into one unit, e.g. do not "
+        f"wrap either on its own, so that their common parent owns the parameter."
+    )
+
+
 def _materialize_with(
     param_init_fn: Callable[[nn.Module], None], unit_modules: list[tuple[str, nn.Module]], unit_name: str
-) -> None:
+) -> dict[int, nn.Parameter]:
     """Calls ``param_init_fn`` on every module of the unit, as torch's FSDP does; checks nothing is left on meta.
 
     Parameters tied before are tied after only if ``param_init_fn`` keeps them
     so (``to_empty`` does not: re-tie them in ``param_init_fn``, as with torch).
+    A meta parameter that another unit already owns (a tie split across units)
+    is an error before anything runs. Returns {id(new parameter): the meta
+    parameter it replaced}, so that the caller marks the meta one as owned.
     """
+    slots = []
+    for prefix, m in unit_modules:
+        for attr, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                _check_not_owned(p, _join(unit_name, _join(prefix, attr)))
+                slots.append((m, attr, p))
     # Breadth-first, root first, as torch calls it (a re-tie in param_init_fn may rely on that).
     for _, m in sorted(unit_modules, key=lambda pm: pm[0].count(".") + 1 if pm[0] else 0):
         param_init_fn(m)
@@ -1459,22 +1478,48 @@ def _materialize_with(
                     f"materialize the module's own parameters and buffers, e.g. "
                     f"module.to_empty(device=..., recurse=False) followed by their initialization."
                 )
+    originals: dict[int, nn.Parameter] = {}
+    for m, attr, old in slots:
+        new = m._parameters.get(attr)
+        if new is not None and new is not old:
+            originals.setdefault(id(new), old)
+    return originals
+
+
+_SYNC_BUCKET_BYTES = 250 * 1024 * 1024  # as torch's FSDP1
 
 
 def _broadcast_from_first_rank(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """sync_module_states: every rank of ``group`` gets its first rank's values, in one broadcast per dtype."""
+    """sync_module_states: every rank of ``group`` gets its first rank's values.
+
+    Same-dtype tensors go in buckets of up to 250 MB (one broadcast each, so a
+    large unit never needs twice its size); a larger tensor goes alone, in place.
+    """
     if dist.get_world_size(group) == 1 or not tensors:
         return
     src = dist.get_global_rank(group, 0)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
+    buckets: list[list[torch.Tensor]] = []
+    for same in by_dtype.values():  # the same order on every rank: the module's
+        size = _SYNC_BUCKET_BYTES
+        for t in same:
+            nbytes = t.numel() * t.element_size()
+            if size + nbytes > _SYNC_BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(t)
+            size += nbytes
     with torch.no_grad():
-        for same in by_dtype.values():  # the same order on every rank: the module's
-            flat = torch.cat([t.reshape(-1) for t in same])
+        for bucket in buckets:
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                dist.broadcast(bucket[0], src=src, group=group)
+                continue
+            flat = torch.cat([t.reshape(-1) for t in bucket])
             dist.broadcast(flat, src=src, group=group)
             offset = 0
-            for t in same:
+            for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
