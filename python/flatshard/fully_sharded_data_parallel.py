@@ -348,6 +348,7 @@ class FullyShardedDataParallel(nn.Module):
 
         params: list[nn.Parameter] = []
         names: list[str] = []
+        local_names: list[str] = []  # relative to this unit's module (its own name may change at lazy init)
         slots: list[tuple[nn.Module, str, int]] = []  # (module, attribute, index into params)
         index_of: dict[int, int] = {}
         for prefix, m in unit_modules:
@@ -360,10 +361,12 @@ class FullyShardedDataParallel(nn.Module):
                     index_of[id(p)] = len(params)
                     params.append(p)
                     names.append(fqn)
+                    local_names.append(_join(prefix, attr))
                 slots.append((m, attr, index_of[id(p)]))
 
         self._param_slots = slots
         self._param_names = names
+        self._param_local_names = local_names
         self._handle = None
         if params:
             _check_uniform(params, names, self._unit_name)
@@ -1012,6 +1015,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
         entries, config = _optim_entries(model, optim, "optim_state_dict")
+        _check_same_state_keys(entries, osd)
         keep = not config.rank0_only or dist.get_rank() == 0
         state: dict[str, dict[str, Any]] = {}
         names_of: dict[int, list[str]] = {}
@@ -1062,6 +1066,10 @@ class FullyShardedDataParallel(nn.Module):
             )
         entries, config = _optim_entries(model, optim, "optim_state_dict_to_load")
         if config.rank0_only:
+            if dist.get_rank() == 0:  # on the CPU: pickled tensors would land on rank 0's device
+                optim_state_dict = torch.utils._pytree.tree_map_only(
+                    torch.Tensor, lambda t: t.detach().cpu(), optim_state_dict
+                )
             box = [optim_state_dict if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0)
             optim_state_dict = box[0]
@@ -1072,6 +1080,15 @@ class FullyShardedDataParallel(nn.Module):
                 f"{type(optim_state_dict).__name__} with keys {sorted(optim_state_dict) if isinstance(optim_state_dict, dict) else '-'}"
             )
         full_state = optim_state_dict["state"]
+        known = {n for entry in entries for n in ([entry.name] if entry.unit is None else entry.names)}
+        unknown = [k for k in full_state if k not in known]
+        if unknown:
+            raise ValueError(
+                f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict has state for "
+                f"{unknown[:3]}{' and more' if len(unknown) > 3 else ''}, which are not parameters of the "
+                f"model (its names: {sorted(known)[:3]}...); pass the dict FSDP.optim_state_dict() returned "
+                f"for this model, not optim.state_dict()."
+            )
         state: dict[int, dict[str, Any]] = {}
         for index, entry in enumerate(entries):
             names = [entry.name] if entry.unit is None else list(entry.names)
@@ -1374,10 +1391,25 @@ def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) ->
                     )
                 entries.append(_OptimEntry(p, plain_names[id(p)], None, []))
                 continue
-            cut = len(unit._unit_name) + 1 if unit._unit_name else 0
-            names = [_join(path_of[id(unit)], n[cut:]) for n in unit._param_names]
+            names = [_join(path_of[id(unit)], n) for n in unit._param_local_names]
             entries.append(_OptimEntry(p, names[0], unit, names))
     return entries, units[0]._optim_state_dict_config
+
+
+def _check_same_state_keys(entries: list[_OptimEntry], osd: dict[str, Any]) -> None:
+    """Every rank must have the same state keys per unit, or the gathers below would not pair up."""
+    mine = [sorted(osd["state"].get(i, {})) if e.unit is not None and not e.unit._handle.is_replicated else None
+            for i, e in enumerate(entries)]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        for entry, a, b in zip(entries, mine, theirs):
+            if a != b:
+                raise ValueError(
+                    f"FullyShardedDataParallel.optim_state_dict: unit '{entry.unit._unit_name or '<root>'}' has "
+                    f"optimizer state {a} on rank {dist.get_rank()} but {b} on rank {rank}; every rank must "
+                    f"step the same parameters before saving (e.g. call optim.step() on every rank)."
+                )
 
 
 def _unflatten_state(entry: _OptimEntry, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -1386,9 +1418,16 @@ def _unflatten_state(entry: _OptimEntry, values: dict[str, Any]) -> dict[str, di
     handle = unit._handle
     layout = handle.layout
     per_param: dict[str, dict[str, Any]] = {n: {} for n in entry.names}
-    for key in sorted(values):
+
+    def per_element(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.param.shape
+
+    # torch's order: the per-element state, then the rest (each in the optimizer's order,
+    # which is the same on every rank: the collectives below follow it).
+    keys = [k for k in values if per_element(values[k])] + [k for k in values if not per_element(values[k])]
+    for key in keys:
         value = values[key]
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.param.shape:
+        if per_element(value):
             flat = value.detach()
             if not handle.is_replicated:
                 gathered = flat.new_empty(layout.padded_numel)
@@ -1407,16 +1446,23 @@ def _flatten_state(entry: _OptimEntry, saved: list[dict[str, Any]], device: torc
     handle = entry.unit._handle
     layout = handle.layout
     out: dict[str, Any] = {}
+    if all(len(shape) == 0 for shape in layout.shapes):
+        raise NotImplementedError(
+            f"FullyShardedDataParallel.optim_state_dict_to_load: unit '{entry.unit._unit_name or '<root>'}' "
+            f"holds only 0-dim parameters, whose per-element state cannot be told from a scalar such "
+            f"as 'step'; wrap them together with other parameters."
+        )
     for key in saved[0]:
         first = saved[0][key]
         shaped = [isinstance(s.get(key), torch.Tensor) and tuple(s[key].shape) == tuple(shape)
                   for s, shape in zip(saved, layout.shapes)]
-        if isinstance(first, torch.Tensor) and first.dim() > 0 and all(shaped):
+        any_dims = any(isinstance(s.get(key), torch.Tensor) and s[key].dim() > 0 for s in saved)
+        if any_dims and all(shaped):
             flat = torch.cat([s[key].detach().reshape(-1).to(device) for s in saved])
             flat = torch.cat([flat, flat.new_zeros(layout.padded_numel - flat.numel())])
             begin, end = layout.shard_range(handle.rank)
             out[key] = flat[begin:end].clone()
-        elif isinstance(first, torch.Tensor) and first.dim() > 0:
+        elif any_dims:
             bad = [n for n, ok in zip(entry.names, shaped) if not ok][0]
             raise ValueError(
                 f"FullyShardedDataParallel.optim_state_dict_to_load: state '{key}' of '{bad}' does not have "
