@@ -934,20 +934,16 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel.set_state_dict_type: {state_dict_type} is not implemented in "
                 f"flatshard yet; use StateDictType.FULL_STATE_DICT."
             )
-        if state_dict_config is None:
-            state_dict_config = FullStateDictConfig()
-        if not isinstance(state_dict_config, FullStateDictConfig):
-            raise ValueError(
-                f"FullyShardedDataParallel.set_state_dict_type: expected a FullStateDictConfig for "
-                f"FULL_STATE_DICT but got {state_dict_config!r}"
-            )
-        if optim_state_dict_config is None:
-            optim_state_dict_config = FullOptimStateDictConfig()
-        if not isinstance(optim_state_dict_config, FullOptimStateDictConfig):
-            raise ValueError(
-                f"FullyShardedDataParallel.set_state_dict_type: expected a FullOptimStateDictConfig for "
-                f"FULL_STATE_DICT but got {optim_state_dict_config!r}"
-            )
+        configs = []
+        for config, cls in ((state_dict_config, FullStateDictConfig), (optim_state_dict_config, FullOptimStateDictConfig)):
+            config = cls() if config is None else config
+            if not isinstance(config, cls):
+                raise ValueError(
+                    f"FullyShardedDataParallel.set_state_dict_type: expected a {cls.__name__} for "
+                    f"FULL_STATE_DICT but got {config!r}"
+                )
+            configs.append(config)
+        state_dict_config, optim_state_dict_config = configs
         units = FullyShardedDataParallel.fsdp_modules(module)
         if not units:
             raise ValueError("set_state_dict_type: expected a module with FSDP units but found none")
