@@ -278,3 +278,42 @@ def _ranks_keep_different_graphs(rank, world_size, collect_garbage):
 @pytest.mark.parametrize("collect_garbage", [False, True])
 def test_ranks_keeping_different_graphs_issue_the_same_collectives(collect_garbage):
     run_distributed(_ranks_keep_different_graphs, 2, collect_garbage, pg_timeout=20.0)
+
+
+def _apply_after_wrapping(rank, world_size, impl):
+    """model.apply(init) after wrapping (as torch's FSDP allows) writes every rank's shards."""
+    FSDP = fsdp_class(impl)
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    visited = []
+
+    def init(m):
+        visited.append(type(m).__name__)
+        if isinstance(m, nn.Linear):
+            nn.init.constant_(m.weight, 1.0 / (m.in_features + m.out_features))
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    model.apply(init)
+    assert "Block" in visited and "GPT" in visited, visited
+    want = make_gpt()
+    want.apply(init)  # the same fn on a plain model
+    with FSDP.summon_full_params(model):
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.testing.assert_close(full, dict(want.named_parameters()), rtol=0, atol=0)
+    gpt_loss(model, *local_slice(make_batch(), rank, world_size)).backward()  # still trains
+    if impl == "flatshard" and world_size > 1:
+        # Outside summon a sharded unit's parameters have no storage: an error naming it, not a crash.
+        weight = model.module.blocks[1].module.mlp.fc.weight
+        assert weight.shape == (64, 16)
+        try:
+            weight.fill_(1.0)
+        except RuntimeError as e:
+            assert "unit 'blocks.1' has no storage between iterations" in str(e), str(e)
+            assert "summon_full_params" in str(e), str(e)
+        else:
+            raise AssertionError("writing to a sharded parameter outside summon_full_params did not raise")
+
+
+@pytest.mark.parametrize("impl", ["flatshard", "torch"])
+def test_apply_after_wrapping(impl):
+    run_distributed(_apply_after_wrapping, 2, impl)

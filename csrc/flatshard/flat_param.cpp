@@ -117,7 +117,7 @@ FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank
     resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
   }
 
-  set_name(name_);
+  set_name(name_);  // also gives the placeholders their error message
 }
 
 void FlatParam::set_name(std::string name) {
@@ -128,6 +128,15 @@ void FlatParam::set_name(std::string name) {
   reduce_scatter_range_ = "flatshard::reduce_scatter" + suffix;
   reshard_range_ = "flatshard::reshard" + suffix;
   all_reduce_range_ = "flatshard::all_reduce" + suffix;
+  if (is_replicated()) return;  // its placeholders are views of the local shard: real data
+  // See [Note: Placeholders]. Setting it again (a rename) only changes the message.
+  const std::string message =
+      "flatshard: a parameter of unit '" + (name_.empty() ? std::string("<root>") : name_) +
+      "' has no storage between iterations (the unit is sharded). Read or change parameters inside "
+      "FSDP.summon_full_params(model), or with model.apply(fn), which summons them for you.";
+  for (at::Tensor& view : placeholder_views_) {
+    view.unsafeGetTensorImpl()->release_storage_and_set_meta_custom_data_ptr_error_msg_(message);
+  }
 }
 
 FlatParam::~FlatParam() {

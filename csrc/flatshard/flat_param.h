@@ -35,6 +35,14 @@
 
 namespace flatshard {
 
+// [Note: Placeholders]
+// Between iterations a sharded unit's modules hold placeholders: tensors with
+// the original parameters' shapes, dtype and device but no storage at all
+// (their TensorImpl's storage is released and data access throws a message
+// naming the unit and the fix), so that user code reading `module.weight.shape`
+// works and code touching its values raises instead of writing through a null
+// pointer. A replicated unit's placeholders are views of its local shard.
+
 // [Note: Gradient accumulation]
 // A unit's post-backward adds its parameters' gradients into one unsharded
 // flat gradient. It is reduced (and then dropped) once the unit has no other
@@ -118,7 +126,7 @@ class FlatParam {
   // Views of the unsharded buffer; the buffer must have storage.
   std::vector<at::Tensor> views() const { return views_of(unsharded_, layout_); }
   // Views made once at construction, outside autograd: what the modules hold
-  // while the unit is sharded (right shapes, no storage behind them).
+  // while the unit is sharded. See [Note: Placeholders].
   const std::vector<at::Tensor>& placeholder_views() const { return placeholder_views_; }
 
   // Profiler range names, built once: "flatshard::<what> <unit name>".

@@ -700,6 +700,16 @@ class FullyShardedDataParallel(nn.Module):
         for name, b in super().named_buffers(*args, **kwargs):
             yield _clean_name(name), b
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """``fn`` on every submodule and then this one, as ``nn.Module.apply``, with full parameters.
+
+        As torch's FSDP does: each unit's full parameters are summoned while
+        ``fn`` runs over its modules and written back to the shards after
+        (e.g. ``model.apply(init_weights)`` after wrapping). Collective.
+        """
+        with FullyShardedDataParallel.summon_full_params(self, recurse=False, writeback=True):
+            return super().apply(fn)
+
     def check_is_root(self) -> bool:
         """Whether this unit is the root (lazy-initializes if no forward ran yet)."""
         if self._is_root is None:
