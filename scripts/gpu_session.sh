@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Everything a session with the lent GPU machine runs, in one call (device
 # time is scarce; see benchmarks/RESULTS.md, section "GPU"). From the repo root:
-#   bash scripts/gpu_session.sh            # writes logs and results under $OUT (or ./gpu-out)
+#   FLATSHARD_COMMIT=<hash> bash scripts/gpu_session.sh [tests|bench|all]
+# writes logs and results under $OUT (or ./gpu-out). The checkout arrives there
+# without .git: put the commit in FLATSHARD_COMMIT (`git rev-parse HEAD` here).
+# `tests` and `bench` split the work over two calls if one would pass the
+# device's 10-minute limit (results are copied back only when the bench ends).
 # That machine has torch with CUDA and the Python tools but no network and no
 # GoogleTest, so the C++ tests (CPU logic, run by CI) are left out there. Runs:
 # the build, the GPU tests, the whole Python suite, then the benchmarks (NCCL at
@@ -13,13 +17,18 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_NCCL_AVOID_RECORD_STREAMS=1 FLATSHARD_CPP_TESTS=0
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-  git log -1 --format='commit %H %cd' 2>/dev/null || true; date -u; } >"$out/device.txt" 2>&1
+  echo "commit ${FLATSHARD_COMMIT:-unknown (set FLATSHARD_COMMIT)}"; date -u; } >"$out/device.txt" 2>&1
+what=${1:-all}
 rc=0
-bash scripts/test.sh -m gpu -rs 2>&1 | tee "$out/test_gpu.log" || rc=1
-python3 -m pytest tests -q -x -m "not gpu" 2>&1 | tee "$out/test_all.log" || rc=1
-# --no-publish: RESULTS.md's GPU section is written by hand from these files.
-bash scripts/run_benchmarks.sh --no-publish --out /tmp/flatshard-bench 2>&1 | tee "$out/bench.log" || rc=1
-for f in results.json table.md step_time.png memory.png; do  # the device returns at most 8 files
-  cp /tmp/flatshard-bench/$f "$out/" 2>/dev/null || echo "no $f" >>"$out/bench.log"
-done
+if [[ "$what" == all || "$what" == tests ]]; then
+  bash scripts/test.sh -m gpu -rs 2>&1 | tee "$out/test_gpu.log" || rc=1
+  python3 -m pytest tests -q -x -m "not gpu" 2>&1 | tee "$out/test_all.log" || rc=1
+fi
+if [[ "$what" == all || "$what" == bench ]]; then
+  # --no-publish: RESULTS.md's GPU section is written by hand from these files.
+  bash scripts/run_benchmarks.sh --no-publish --out /tmp/flatshard-bench 2>&1 | tee "$out/bench.log" || rc=1
+  for f in results.json table.md step_time.png memory.png; do  # the device returns at most 8 files
+    cp /tmp/flatshard-bench/$f "$out/" 2>/dev/null || echo "no $f" >>"$out/bench.log"
+  done
+fi
 exit $rc

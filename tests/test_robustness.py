@@ -301,6 +301,15 @@ def _apply_after_wrapping(rank, world_size, impl):
         full = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.testing.assert_close(full, dict(want.named_parameters()), rtol=0, atol=0)
     gpt_loss(model, *local_slice(make_batch(), rank, world_size)).backward()  # still trains
+    # apply() through units wrapped by hand before their parent is wrapped: the parent is the root.
+    gpt = make_gpt()
+    for i, block in enumerate(gpt.blocks):
+        gpt.blocks[i] = FSDP(block, device_id=torch.device("cpu"))
+    gpt.apply(init)
+    outer = FSDP(gpt, device_id=torch.device("cpu"))
+    gpt_loss(outer, *local_slice(make_batch(), rank, world_size)).backward()
+    with FSDP.summon_full_params(outer):
+        torch.testing.assert_close(outer.module.blocks[0].module.mlp.fc.weight, want.blocks[0].mlp.fc.weight)
     if impl == "flatshard" and world_size > 1:
         # Outside summon a sharded unit's parameters have no storage: an error naming it, not a crash.
         weight = model.module.blocks[1].module.mlp.fc.weight

@@ -53,7 +53,7 @@ def _state_dict_round_trip(rank, world_size, impl):
             assert all(t.device.type == "cpu" for t in partial.values())
         else:
             assert partial == {}, f"rank {rank} got {len(partial)} entries with rank0_only=True"
-        assert FSDP.get_state_dict_type(model)[1] == FullStateDictConfig()  # restored on exit
+        assert FSDP.get_state_dict_type(model).state_dict_config == FullStateDictConfig()  # restored on exit
 
     # Load into a differently initialized wrapped model; train on in both.
     fresh = FSDP(make_gpt(seed=7), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))

@@ -131,9 +131,10 @@ void FlatParam::set_name(std::string name) {
   if (is_replicated()) return;  // its placeholders are views of the local shard: real data
   // See [Note: Placeholders]. Setting it again (a rename) only changes the message.
   const std::string message =
-      "flatshard: a parameter of unit '" + (name_.empty() ? std::string("<root>") : name_) +
-      "' has no storage between iterations (the unit is sharded). Read or change parameters inside "
-      "FSDP.summon_full_params(model), or with model.apply(fn), which summons them for you.";
+      "flatshard: a parameter of " + (name_.empty() ? std::string("an FSDP unit") : "unit '" + name_ + "'") +
+      " has no storage between iterations (the unit is sharded): only its shape, dtype and device "
+      "are there. Read or change parameters inside FSDP.summon_full_params(model), or with "
+      "model.apply(fn), which summons them for you.";
   for (at::Tensor& view : placeholder_views_) {
     view.unsafeGetTensorImpl()->release_storage_and_set_meta_custom_data_ptr_error_msg_(message);
   }

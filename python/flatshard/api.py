@@ -12,6 +12,7 @@ from torch.distributed.fsdp import (
     FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
+    StateDictSettings,
     StateDictType,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "FullStateDictConfig",
     "MixedPrecision",
     "ShardingStrategy",
+    "StateDictSettings",
     "StateDictType",
 ]

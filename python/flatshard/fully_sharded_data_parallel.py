@@ -84,6 +84,7 @@ from flatshard.api import (
     FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
+    StateDictSettings,
     StateDictType,
 )
 from flatshard.wrap import _plan_wraps
@@ -707,8 +708,19 @@ class FullyShardedDataParallel(nn.Module):
         ``fn`` runs over its modules and written back to the shards after
         (e.g. ``model.apply(init_weights)`` after wrapping). Collective.
         """
+        uninitialized = self._is_root is None
         with FullyShardedDataParallel.summon_full_params(self, recurse=False, writeback=True):
-            return super().apply(fn)
+            out = super().apply(fn)
+        if uninitialized:
+            # Summoning made this unit a root; it may not be the real one (apply
+            # on inner units before wrapping their parent): decide at the first forward.
+            for _, unit in self.named_modules():
+                if isinstance(unit, FullyShardedDataParallel):
+                    unit._is_root = None
+                    unit.__dict__["_root"] = None
+                    unit._scheduler = None
+                    unit._units = []
+        return out
 
     def check_is_root(self) -> bool:
         """Whether this unit is the root (lazy-initializes if no forward ran yet)."""
@@ -933,11 +945,12 @@ class FullyShardedDataParallel(nn.Module):
         state_dict_type: StateDictType,
         state_dict_config: Any = None,
         optim_state_dict_config: Any = None,
-    ) -> tuple[StateDictType, Any]:
-        """Sets the state dict type of every unit in ``module``; returns the previous (type, config).
+    ) -> StateDictSettings:
+        """Sets the state dict type of every unit in ``module``; returns the previous settings (as torch).
 
         flatshard implements StateDictType.FULL_STATE_DICT (torch's default) with
-        FullStateDictConfig; other types raise NotImplementedError.
+        FullStateDictConfig and FullOptimStateDictConfig; other types raise
+        NotImplementedError.
         """
         if state_dict_type != StateDictType.FULL_STATE_DICT:
             raise NotImplementedError(
@@ -957,19 +970,20 @@ class FullyShardedDataParallel(nn.Module):
         units = FullyShardedDataParallel.fsdp_modules(module)
         if not units:
             raise ValueError("set_state_dict_type: expected a module with FSDP units but found none")
-        previous = (StateDictType.FULL_STATE_DICT, units[0]._state_dict_config)
+        previous = FullyShardedDataParallel.get_state_dict_type(module)
         for unit in units:
             unit._state_dict_config = state_dict_config
             unit._optim_state_dict_config = optim_state_dict_config
         return previous
 
     @staticmethod
-    def get_state_dict_type(module: nn.Module) -> tuple[StateDictType, Any]:
-        """(StateDictType.FULL_STATE_DICT, its config) of the units in ``module``."""
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state dict settings of the units in ``module`` (always FULL_STATE_DICT)."""
         units = FullyShardedDataParallel.fsdp_modules(module)
         if not units:
             raise ValueError("get_state_dict_type: expected a module with FSDP units but found none")
-        return StateDictType.FULL_STATE_DICT, units[0]._state_dict_config
+        unit = units[0]
+        return StateDictSettings(StateDictType.FULL_STATE_DICT, unit._state_dict_config, unit._optim_state_dict_config)
 
     @staticmethod
     @contextlib.contextmanager
@@ -980,15 +994,15 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: Any = None,
     ) -> Iterator[None]:
         """Within the context, the units of ``module`` use this state dict type and config."""
-        units = FullyShardedDataParallel.fsdp_modules(module)
-        previous_optim = units[0]._optim_state_dict_config if units else None
         previous = FullyShardedDataParallel.set_state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
         )
         try:
             yield
         finally:
-            FullyShardedDataParallel.set_state_dict_type(module, *previous, previous_optim)
+            FullyShardedDataParallel.set_state_dict_type(
+                module, previous.state_dict_type, previous.state_dict_config, previous.optim_state_dict_config
+            )
 
     # [Note: Optimizer state dicts]
     # FULL_STATE_DICT format, as torch's FSDP1 writes it: {"state": {original
