@@ -8,9 +8,8 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
+from models import ATOL, RTOL, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
-RTOL, ATOL = 1e-5, 1e-6
 MAX_NORM = 0.05  # small enough that every step clips
 
 

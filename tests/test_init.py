@@ -19,9 +19,8 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import Block, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
+from models import ATOL, RTOL, Block, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
 
-RTOL, ATOL = 1e-5, 1e-6  # as tests/test_parity.py
 STEPS = 5
 
 

@@ -16,9 +16,18 @@ from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import WORLD_SIZES, run_distributed
-from models import Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
+from models import (
+    ATOL,
+    RTOL,
+    Block,
+    fsdp_class,
+    gpt_loss,
+    local_slice,
+    make_batch,
+    make_gpt,
+    param_mismatches,
+)
 
-RTOL, ATOL = 1e-5, 1e-6  # as tests/test_parity.py
 
 
 def _build(impl: str):
@@ -107,7 +116,8 @@ def _rank0_only(rank, world_size):
     _steps(model, opt, batch, 2)
     full = FS.optim_state_dict(model, opt)  # the default config: every rank gets it
     with FS.state_dict_type(
-        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True), FullOptimStateDictConfig(rank0_only=True)
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True),
+        FullOptimStateDictConfig(rank0_only=True),
     ):
         saved = FS.optim_state_dict(model, opt)
         assert (saved == {}) == (rank != 0), f"rank {rank}: {list(saved)}"

@@ -22,16 +22,24 @@ import torch.distributed as dist
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
 
 from _dist import WORLD_SIZES, run_distributed
-from models import IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
+from models import (
+    ATOL,
+    IMPLS,
+    PARITY,
+    RTOL,
+    Block,
+    fsdp_class,
+    gpt_loss,
+    local_slice,
+    make_batch,
+    make_gpt,
+    param_mismatches,
+)
 
-RTOL = 1e-5
-ATOL = 1e-6
-STEPS = 10
-LR = 1e-2
-MODEL_SEED = 0
-BATCH_SEED = 1000  # see [Note: fp32 Adam parity margin] in models.py
-GLOBAL_BATCH = 8  # divisible by every world size
-N_LAYERS = 3
+# See [Note: fp32 Adam parity margin] in models.py.
+STEPS, LR, MODEL_SEED, BATCH_SEED, GLOBAL_BATCH, N_LAYERS = (
+    PARITY[k] for k in ("steps", "lr", "model_seed", "batch_seed", "global_batch", "n_layers")
+)
 N_UNITS = N_LAYERS + 1  # one per Block, plus the root (embedding, head, ln_f)
 
 

@@ -19,9 +19,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import Block, TiedLM, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
+from models import ATOL, RTOL, Block, TiedLM, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
-RTOL, ATOL = 1e-5, 1e-6
 STEPS = 4
 
 

@@ -12,9 +12,8 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
+from models import ATOL, IMPLS, RTOL, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
-RTOL, ATOL = 1e-5, 1e-6
 
 
 def _train(model, batch, steps, lr=1e-2):

@@ -50,16 +50,25 @@ from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import check_same_outcome, run_distributed
-from models import GPT, IMPLS, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
+from models import (
+    ATOL,
+    GPT,
+    IMPLS,
+    PARITY,
+    RTOL,
+    Block,
+    fsdp_class,
+    gpt_loss,
+    local_slice,
+    make_batch,
+    make_gpt,
+    param_mismatches,
+)
 
-RTOL = 1e-5
-ATOL = 1e-6
-STEPS = 10
-LR = 1e-2
-MODEL_SEED = 0
-BATCH_SEED = 1000  # see [Note: fp32 Adam parity margin] in models.py
-GLOBAL_BATCH = 8
-N_LAYERS = 3
+# See [Note: fp32 Adam parity margin] in models.py.
+STEPS, LR, MODEL_SEED, BATCH_SEED, GLOBAL_BATCH, N_LAYERS = (
+    PARITY[k] for k in ("steps", "lr", "model_seed", "batch_seed", "global_batch", "n_layers")
+)
 #: Steps before which the ``no_grad_forward`` edge case runs an evaluation forward
 #: (step 0: the very first forward of the model runs under no_grad).
 EVAL_STEPS = (0, 5)

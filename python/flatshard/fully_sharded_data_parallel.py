@@ -1041,12 +1041,8 @@ class FullyShardedDataParallel(nn.Module):
         names_of: dict[int, list[str]] = {}
         for index, entry in enumerate(entries):
             values = osd["state"].get(index, {})
-            if entry.unit is None:
-                names_of[index] = [entry.name]
-                full = {entry.name: dict(values)}
-            else:
-                names_of[index] = list(entry.names)
-                full = _unflatten_state(entry, values)
+            names_of[index] = entry.names
+            full = {entry.names[0]: dict(values)} if entry.unit is None else _unflatten_state(entry, values)
             if keep:
                 for name, per_param in full.items():
                     if per_param:
@@ -1100,7 +1096,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"{type(optim_state_dict).__name__} with keys {sorted(optim_state_dict) if isinstance(optim_state_dict, dict) else '-'}"
             )
         full_state = optim_state_dict["state"]
-        known = {n for entry in entries for n in ([entry.name] if entry.unit is None else entry.names)}
+        known = {n for entry in entries for n in entry.names}
         unknown = [k for k in full_state if k not in known]
         if unknown:
             raise ValueError(
@@ -1111,7 +1107,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         state: dict[int, dict[str, Any]] = {}
         for index, entry in enumerate(entries):
-            names = [entry.name] if entry.unit is None else list(entry.names)
+            names = entry.names
             present = [n for n in names if n in full_state]
             if not present:
                 continue
@@ -1125,7 +1121,7 @@ class FullyShardedDataParallel(nn.Module):
                 )
             device = entry.param.device
             if entry.unit is None:
-                state[index] = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in full_state[entry.name].items()}
+                state[index] = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in full_state[names[0]].items()}
             else:
                 state[index] = _flatten_state(entry, [full_state[n] for n in names], device)
         groups = []
@@ -1378,10 +1374,11 @@ def _materialize_meta(
 
 
 class _OptimEntry:
-    """One parameter the optimizer steps: a unit's flat shard (``unit`` set) or a plain parameter."""
+    """One parameter the optimizer steps: a unit's flat shard (``unit`` set; ``names`` in flat
+    order) or a plain parameter (``names`` is its one name)."""
 
-    def __init__(self, param: nn.Parameter, name: str, unit: "FullyShardedDataParallel | None", names: list[str]):
-        self.param, self.name, self.unit, self.names = param, name, unit, names
+    def __init__(self, param: nn.Parameter, unit: "FullyShardedDataParallel | None", names: list[str]):
+        self.param, self.unit, self.names = param, unit, names
 
 
 def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) -> tuple[list[_OptimEntry], Any]:
@@ -1409,10 +1406,9 @@ def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) ->
                         f"FullyShardedDataParallel.{what}: the optimizer steps a parameter of shape "
                         f"{tuple(p.shape)} that is not in the model; pass the model the optimizer was built for."
                     )
-                entries.append(_OptimEntry(p, plain_names[id(p)], None, []))
+                entries.append(_OptimEntry(p, None, [plain_names[id(p)]]))
                 continue
-            names = [_join(path_of[id(unit)], n) for n in unit._param_local_names]
-            entries.append(_OptimEntry(p, names[0], unit, names))
+            entries.append(_OptimEntry(p, unit, [_join(path_of[id(unit)], n) for n in unit._param_local_names]))
     return entries, units[0]._optim_state_dict_config
 
 
