@@ -28,12 +28,14 @@ import torch  # noqa: E402
 
 from fsbench import report  # noqa: E402
 from fsbench.dist_env import default_device_type, launch, max_world_size  # noqa: E402
+from fsbench.limiter import LimiterConfig, run_limiter  # noqa: E402
 from fsbench.memory import MemoryConfig, run_memory  # noqa: E402
 from fsbench.timing import Plan  # noqa: E402
 from fsbench.trace import TraceConfig, run_trace  # noqa: E402
 from fsbench.workloads import CollectivesConfig, TrainConfig, run_collectives, run_training  # noqa: E402
 
 WORKLOADS = ("gpt", "many-small-units", "collectives", "memory")
+GPU_WORKLOADS = ("gpt-large", "limiter")  # CUDA only: too large for the CPU runs
 
 # Global batches: gpt 8 sequences x 64 tokens; many-small-units 16 samples of 16 features.
 FULL = {
@@ -43,6 +45,10 @@ FULL = {
     "collectives": CollectivesConfig((1, 2, 4, 8, 16, 32, 64), Plan(warmup=2, rounds=10, steps_per_block=3,
                                                                     drop_per_block=1)),
     "memory_world_sizes": (1, 2, 4),
+    # 4 sequences x 1024 tokens, TF32 matrix products (float32 training as run on GPUs).
+    "gpt-large": TrainConfig("gpt-large", 4, Plan(warmup=2, rounds=10, steps_per_block=5, drop_per_block=1),
+                             tf32=True),
+    "limiter": LimiterConfig(),
 }
 QUICK = {
     "gpt": TrainConfig("gpt", 8, Plan(warmup=1, rounds=2, steps_per_block=3, drop_per_block=1)),
@@ -50,6 +56,9 @@ QUICK = {
                                                                 drop_per_block=1)),
     "collectives": CollectivesConfig((1, 4), Plan(warmup=1, rounds=2, steps_per_block=2, drop_per_block=1)),
     "memory_world_sizes": (1, 2),
+    "gpt-large": TrainConfig("gpt-large", 4, Plan(warmup=1, rounds=2, steps_per_block=2, drop_per_block=1),
+                             tf32=True),
+    "limiter": LimiterConfig(steps=2),
 }
 
 
@@ -57,7 +66,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: few steps, small sizes; not published")
     p.add_argument("--profile", action="store_true", help="only write a Chrome trace of one flatshard step")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {WORKLOADS}")
+    p.add_argument("--workloads", default=None,
+                   help=f"comma-separated subset of {WORKLOADS + GPU_WORKLOADS} (default: all that the device runs; "
+                        f"{GPU_WORKLOADS} need CUDA)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default=os.path.join(HERE, "out"), help="output folder (default benchmarks/out)")
     p.add_argument("--no-publish", action="store_true",
@@ -72,10 +83,13 @@ def main() -> int:
     device = default_device_type() if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch.cuda.is_available() is False")
-    selected = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = set(selected) - set(WORKLOADS)
+    default = WORKLOADS + (GPU_WORKLOADS if device == "cuda" else ())
+    selected = [w.strip() for w in (args.workloads or ",".join(default)).split(",") if w.strip()]
+    unknown = set(selected) - set(WORKLOADS + GPU_WORKLOADS)
     if unknown:
-        p.error(f"--workloads: unknown {sorted(unknown)}; expected a subset of {WORKLOADS}")
+        p.error(f"--workloads: unknown {sorted(unknown)}; expected a subset of {WORKLOADS + GPU_WORKLOADS}")
+    if device != "cuda" and set(selected) & set(GPU_WORKLOADS):
+        p.error(f"--workloads: {sorted(set(selected) & set(GPU_WORKLOADS))} run on CUDA only")
     cfg = QUICK if args.quick else FULL
     # CPU: W=2 for timing, W=1 against local training. GPU: NCCL at W=1 (and W=2 given two GPUs).
     timing_world_sizes = (2, 1) if max_world_size(device) >= 2 else (1,)
@@ -96,6 +110,8 @@ def main() -> int:
     results: dict = {"meta": _meta(device, args.quick), "timing": {}, "memory": {}}
     for w in timing_world_sizes:
         tasks = [(wl, run_training, cfg[wl]) for wl in ("gpt", "many-small-units") if wl in selected]
+        if "gpt-large" in selected and w == 1:
+            tasks.append(("gpt-large", run_training, cfg["gpt-large"]))
         if "collectives" in selected and w == timing_world_sizes[0]:
             tasks.append(("collectives", run_collectives, cfg["collectives"]))
         if not tasks:
@@ -115,9 +131,13 @@ def main() -> int:
             _say(f"memory at W={w}")
             results["memory"][str(w)] = launch([("memory", run_memory, MemoryConfig())], w, device)["memory"]
             _report_errors({"memory": results["memory"][str(w)]})
+    if "limiter" in selected:
+        _say("limiter at W=2 on one GPU (gloo)")
+        results["limiter"] = launch([("limiter", run_limiter, cfg["limiter"])], 2, device, one_gpu=True)["limiter"]
+        _report_errors({"limiter": results["limiter"]})
     results["wall_s"] = time.perf_counter() - start
     # RESULTS.md shows a complete, full run only.
-    publish = None if (args.quick or args.no_publish or set(selected) != set(WORKLOADS)) else HERE
+    publish = None if (args.quick or args.no_publish or set(selected) != set(default)) else HERE
     written = report.write(results, args.out, publish)
     print()
     print(report.markdown(results))

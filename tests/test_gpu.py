@@ -1,9 +1,19 @@
-"""GPU checks: the parity suite on CUDA tensors with real streams and events.
+"""GPU parity: every sharding strategy on CUDA tensors, with real streams and events.
 
 Skipped without CUDA (CI has none); run them on a GPU machine with
-``bash scripts/test.sh -m gpu``. NCCL at world size 1 (a NCCL group beside the
-harness's gloo one) and gloo at world size 2 with both ranks on one GPU. GPU
-kernels round differently from the CPU reference and between batch shapes, so
+``bash scripts/test.sh -m gpu``. Two routes, both against a single-process run of
+the same global batch on the same GPU:
+- NCCL at world size 1: a NCCL group beside the harness's gloo one. A unit of
+  shard factor 1 needs no all-gather, so this exercises the CUDA streams, events,
+  views and gradient path, not NCCL's collectives.
+- gloo at world size 2, both ranks on one GPU (NCCL refuses two ranks on one
+  device). gloo copies each CUDA tensor to pinned host memory on its own stream,
+  runs the collective on its CPU thread and copies the result back, then orders
+  the waiting stream after those copies: the scheduler's event ordering and
+  buffer lifetimes are exercised across real streams, and the collectives run.
+Hybrid strategies: at W=1 two NCCL groups of one rank; at W=2 shard groups of one
+rank and a replicate group of both (the replica all-reduce stream runs).
+GPU kernels round differently from the CPU reference and between batch shapes, so
 the tolerance is rtol 1e-4 / atol 1e-5 with TF32 off (CPU tests use 1e-5 / 1e-6).
 """
 
@@ -23,6 +33,18 @@ pytestmark = [
 
 RTOL, ATOL = 1e-4, 1e-5
 STEPS = 5
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def _process_group(backend, strategy, rank, world_size):
+    """The process_group argument for this route and strategy (every rank builds every group)."""
+    if backend == "nccl":
+        shard = dist.new_group(backend="nccl")
+        return (shard, dist.new_group(backend="nccl")) if strategy in HYBRID else shard
+    if strategy in HYBRID:
+        singles = [dist.new_group([r]) for r in range(world_size)]
+        return singles[rank], dist.group.WORLD
+    return None
 
 
 def _parity_on_gpu(rank, world_size, backend, strategy, prefetch):
@@ -33,7 +55,7 @@ def _parity_on_gpu(rank, world_size, backend, strategy, prefetch):
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    group = dist.new_group(backend="nccl") if backend == "nccl" else None
+    group = _process_group(backend, strategy, rank, world_size)
     batch = tuple(t.to(device) for t in make_batch())
     reference = make_gpt().to(device)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
@@ -46,6 +68,7 @@ def _parity_on_gpu(rank, world_size, backend, strategy, prefetch):
         forward_prefetch=True,
         device_id=device,
     )
+    assert all(p.is_cuda for p in model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     local = local_slice(batch, rank, world_size)
     for _ in range(STEPS):
@@ -71,7 +94,10 @@ def _parity_on_gpu(rank, world_size, backend, strategy, prefetch):
         (ShardingStrategy.FULL_SHARD, BackwardPrefetch.BACKWARD_PRE),
         (ShardingStrategy.SHARD_GRAD_OP, BackwardPrefetch.BACKWARD_POST),
         (ShardingStrategy.NO_SHARD, None),
+        (ShardingStrategy.HYBRID_SHARD, BackwardPrefetch.BACKWARD_PRE),
+        (ShardingStrategy._HYBRID_SHARD_ZERO2, BackwardPrefetch.BACKWARD_POST),
     ],
+    ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_parity_on_gpu(backend, world_size, strategy, prefetch):
     run_distributed(_parity_on_gpu, world_size, backend, strategy, prefetch, timeout=240)

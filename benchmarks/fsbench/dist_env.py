@@ -69,15 +69,19 @@ def _free_port() -> int:
 Task = tuple[str, Callable[[Ctx, Any], Any], Any]  # (name, module-level function, its argument)
 
 
-def _worker(rank: int, world_size: int, port: int, device_type: str, tasks: list[Task], result_path: str) -> None:
+def _worker(rank: int, world_size: int, port: int, device_type: str, tasks: list[Task], result_path: str,
+            one_gpu: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device_type == "cuda":
+    if one_gpu:  # every rank on cuda:0 over gloo (NCCL refuses two ranks on one device)
+        device, backend = torch.device("cuda", 0), "gloo"
+        torch.cuda.set_device(device)
+    elif device_type == "cuda":
         device, backend = torch.device("cuda", rank), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(1)
-    kwargs = {"device_id": device} if device_type == "cuda" else {}
+    kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=TIMEOUT, **kwargs)
     ctx = Ctx(rank, world_size, device, backend)
     results: dict[str, Any] = {}
@@ -95,8 +99,10 @@ def _worker(rank: int, world_size: int, port: int, device_type: str, tasks: list
         dist.destroy_process_group()
 
 
-def launch(tasks: list[Task], world_size: int, device_type: str) -> dict[str, Any]:
+def launch(tasks: list[Task], world_size: int, device_type: str, one_gpu: bool = False) -> dict[str, Any]:
     """Runs the tasks one after another on ``world_size`` fresh ranks: {task name: rank 0's result}.
+
+    ``one_gpu``: every rank on the first GPU, over gloo (see ``_worker``).
 
     A task that raises, or that a crashed job never finished, gets ``{"error": ...}``.
     """
@@ -104,7 +110,7 @@ def launch(tasks: list[Task], world_size: int, device_type: str) -> dict[str, An
         path = os.path.join(tmp, "result.json")
         error = None
         try:
-            mp.spawn(_worker, args=(world_size, _free_port(), device_type, tasks, path),
+            mp.spawn(_worker, args=(world_size, _free_port(), device_type, tasks, path, one_gpu),
                      nprocs=world_size, join=True)
         except Exception as e:  # noqa: BLE001 - a failed job is a result to report
             error = _short_error(e)

@@ -71,6 +71,13 @@ def run_memory(ctx: Ctx, cfg: MemoryConfig) -> dict:
     spec = gpt_spec(batch_seq_len=cfg.seq_len)
     batches = make_batches(spec, cfg.steps + 1, ctx.world_size)  # one sequence per rank
     local = [tuple(t.to(ctx.device) for t in local_slice(b, ctx.rank, ctx.world_size)) for b in batches]
+    if ctx.is_cuda:
+        # cuBLAS's handle and workspaces belong to the process, made by its first matrix
+        # product: make them now, or the first peer measured is charged for them.
+        w = torch.randn(64, 64, device=ctx.device, requires_grad=True)
+        (w @ w).sum().backward()
+        del w
+        ctx.sync()
     peers: dict[str, dict] = {}
     for name in PEERS:
         entry = peers[name] = {"label": LABELS[name]}

@@ -7,6 +7,7 @@ peers start from identical weights and see identical batches. A *unit* is one
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -148,6 +149,13 @@ def gpt_spec(*, vocab: int = 512, seq_len: int = 64, dim: int = 128, n_layers: i
         loss=loss,
         tokens_per_sample=t,
     )
+
+
+def gpt_large_spec() -> ModelSpec:
+    """The GPU workload: a GPT of 0.54 B parameters (24 blocks of width 1280, GPT-2's
+    vocabulary padded to 50304, 1024 positions), trained on full 1024-token sequences."""
+    return dataclasses.replace(gpt_spec(vocab=50304, seq_len=1024, dim=1280, n_layers=24, n_heads=20),
+                               name="gpt-large")
 
 
 def tiny_stack_spec(*, dim: int = 16, n_layers: int = 64) -> ModelSpec:

@@ -30,6 +30,11 @@ def _median(run: dict | None, peer: str) -> float | None:
     return entry["time"]["median_ms"] if _ok(entry) and "time" in entry else None
 
 
+def _peak(run: dict | None, peer: str) -> float | None:
+    entry = (run or {}).get("peers", {}).get(peer)
+    return entry["peak_bytes"] if _ok(entry) and "peak_bytes" in entry else None
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}×" if a is not None and b else "–"
 
@@ -77,6 +82,15 @@ def headline(results: dict) -> list[tuple[str, str]]:
             value = (f"{entry['overhead_us_per_unit']:.0f} µs" if _ok(entry) and "overhead_us_per_unit" in entry
                      else _failed(msu, peer))
             rows.append((f"`many-small-units` W={w}: overhead per unit per step, {LABELS[peer]}", value))
+    large = timing.get("1", {}).get("gpt-large")
+    if large is not None:
+        fs = _median(large, "flatshard")
+        for peer in ("local", "fsdp2", "fsdp1"):
+            rows.append((f"`gpt-large` W=1: flatshard step time / {LABELS[peer]}",
+                         _ratio(fs, _median(large, peer)) if fs and _median(large, peer) else _failed(large, peer)))
+        for peer in ("local", "fsdp2"):
+            rows.append((f"`gpt-large` W=1: flatshard peak memory / {LABELS[peer]}",
+                         _ratio(_peak(large, "flatshard"), _peak(large, peer))))
     ws, mem = memory_rows(results)
     for w in ws:
         peers = mem[w].get("peers", {})
@@ -97,10 +111,13 @@ def _failed(run: dict | None, peer: str) -> str:
 def training_table(run: dict) -> list[str]:
     w = run["world_size"]
     per_unit = run["workload"] == "many-small-units"
+    memory = any("peak_bytes" in e for e in run["peers"].values())
     lines = [
         f"| peer | median ms | IQR ms | min–max ms | {'samples/s' if per_unit else 'tokens/s'} "
-        + ("| µs per unit over local " if per_unit else "") + "| × FSDP2 | × local | guard |",
-        "| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if per_unit else "") + " ---: | ---: | --- |",
+        + ("| µs per unit over local " if per_unit else "") + "| × FSDP2 | × local | guard |"
+        + ("| peak MiB (state) | peak × FSDP2 | peak × local |" if memory else ""),
+        "| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if per_unit else "") + " ---: | ---: | --- |"
+        + (" ---: | ---: | ---: |" if memory else ""),
     ]
     fsdp2, local = _median(run, "fsdp2"), _median(run, "local")
     for peer in PEERS:
@@ -124,7 +141,21 @@ def training_table(run: dict) -> list[str]:
             f"| {LABELS[peer]} | {_ms(t['median_ms'])} | {_ms(t['iqr_ms'])} | {_ms(t['min_ms'])}–{_ms(t['max_ms'])} "
             f"| {entry['tokens_per_s']:,.0f} {overhead}| {_ratio(t['median_ms'], fsdp2)} "
             f"| {_ratio(t['median_ms'], local)} | {verdict} |"
+            + (f" {entry['peak_bytes'] / MIB:,.0f} ({entry['state_bytes'] / MIB:,.0f}) "
+               f"| {_ratio(entry['peak_bytes'], _peak(run, 'fsdp2'))} | {_ratio(entry['peak_bytes'], _peak(run, 'local'))} |"
+               if memory and "peak_bytes" in entry else (" | | |" if memory else ""))
         )
+    return lines
+
+
+def limiter_table(lim: dict) -> list[str]:
+    if "rows" not in lim:
+        return [f"Not run: {_why(lim)}"]
+    lines = ["| all-gathers in flight | median step ms | peak allocated MiB | peak reserved MiB | limiter stalls | "
+             "allocator retries |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in lim["rows"]:
+        lines.append(f"| {r['limit'] or 'unbounded'} | {_ms(r['median_ms'])} | {r['peak_bytes'] / MIB:,.0f} "
+                     f"| {r['peak_reserved_bytes'] / MIB:,.0f} | {r['limiter_stalls']} | {r['num_alloc_retries']} |")
     return lines
 
 
@@ -227,7 +258,8 @@ def markdown(results: dict) -> str:
             plan = run["plan"]
             kept = plan["rounds"] * (plan["steps_per_block"] - plan["drop_per_block"])
             out += ["", f"{run['backend']} on {run['device']}, global batch {run['global_batch']}"
-                    + (f" × {run['tokens_per_step'] // run['global_batch']} tokens" if workload == "gpt" else "")
+                    + (f" × {run['tokens_per_step'] // run['global_batch']} tokens" if workload.startswith("gpt") else "")
+                    + (", TF32 matrix products" if run.get("tf32") else "")
                     + f", {run['units']} units, {run['param_bytes'] / MIB:.1f} MiB of parameters; {kept} timed steps "
                     f"per peer ({plan['rounds']} interleaved rounds of {plan['steps_per_block']}, first of each "
                     f"dropped, after {plan['warmup']} warm-up + 4 guard steps). Ratios are of medians.", ""]
@@ -242,6 +274,12 @@ def markdown(results: dict) -> str:
                 "bare collective on the same bytes (preallocated output); medians. flatshard's path also "
                 "allocates its buffer and, for reduce-scatter, flattens and divides the gradient.", ""]
         out += collectives_table(coll)
+    lim = results.get("limiter")
+    if lim is not None:
+        out += ["", f"### `limiter`, W={lim.get('world_size', 2)} on one GPU (gloo)", "",
+                "flatshard alone, a 110 M-parameter GPT, FULL_SHARD with forward and backward prefetch; median of "
+                f"{lim.get('steps', '?')} steps per setting after 2 warm-up steps; max over ranks.", ""]
+        out += limiter_table(lim)
     mem = results.get("memory")
     if mem:
         act = activation_bytes(results)

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from fsbench import guard
 from fsbench.dist_env import Ctx, error_text
-from fsbench.models import Blob, ModelSpec, gpt_spec, local_slice, make_batches, param_bytes, tiny_stack_spec
+from fsbench.models import Blob, ModelSpec, gpt_large_spec, gpt_spec, local_slice, make_batches, param_bytes, tiny_stack_spec
 from fsbench.peers import LABELS, PEERS, build_peer
 from fsbench.timing import Plan, Timed, interleaved, summarize
 
-SPECS = {"gpt": gpt_spec, "many-small-units": tiny_stack_spec}
+SPECS = {"gpt": gpt_spec, "many-small-units": tiny_stack_spec, "gpt-large": gpt_large_spec}
 
 
 @dataclass(frozen=True)
@@ -29,19 +29,28 @@ class TrainConfig:
     global_batch: int  # samples per step over all ranks (divides by W)
     plan: Plan
     n_batches: int = 4  # distinct batches, cycled
+    tf32: bool = False  # float32 matrix products on TF32 tensor cores (CUDA), for every peer alike
 
 
 def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
-    """Builds every peer, guards each (see [Note: The guard]), then times them interleaved."""
+    """Builds every peer, guards each (see [Note: The guard]), then times them interleaved.
+
+    On CUDA also each peer's peak memory (see [Note: Peak memory of a timed peer]).
+    """
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if ctx.is_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
     spec: ModelSpec = SPECS[cfg.workload]()
     batches = make_batches(spec, cfg.n_batches, cfg.global_batch)
-    ref = guard.reference(spec, batches, ctx.device)
+    ref = guard.reference(spec, batches, ctx.device)  # also makes cuBLAS's workspace before any peer
     entries: dict[str, dict] = {}
     peers = {}
 
     for name in PEERS:
         entry = entries[name] = {"label": LABELS[name]}
+        gc.collect()
+        allocated_before = torch.cuda.memory_allocated(ctx.device) if ctx.is_cuda else 0
         peer, verdict = _build_and_guard(name, spec, ctx, ref, batches, entry)
         if verdict is None:
             continue
@@ -56,6 +65,9 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
             verdict = {"passed": True, "baseline": True,
                        "note": "per-rank baseline: trains its own slice, no communication"}
         entry["guard"] = verdict
+        if ctx.is_cuda:
+            ctx.sync()
+            entry["state_bytes"] = torch.cuda.memory_allocated(ctx.device) - allocated_before
         if verdict["passed"]:
             peers[name] = peer
         else:
@@ -64,10 +76,23 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
             gc.collect()
 
     local_batches = [tuple(t.to(ctx.device) for t in local_slice(b, ctx.rank, ctx.world_size)) for b in batches]
-    items = {
-        name: Timed(run=lambda i, p=peer: p.step(*local_batches[i % len(local_batches)]))
-        for name, peer in peers.items()
-    }
+    transient = dict.fromkeys(peers, 0)
+
+    def step(name: str, i: int) -> None:
+        # [Note: Peak memory of a timed peer]
+        # Every peer is alive during the interleaved timing, so a peer's peak is its
+        # own state (allocated by its build and guard steps: parameters or shards,
+        # optimizer state, anything it keeps between steps) plus the most its steps
+        # allocated on top of what was allocated when they began. Allocation is in
+        # host order, so the counters are read without a synchronize.
+        if ctx.is_cuda:
+            start = torch.cuda.memory_allocated(ctx.device)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        peers[name].step(*local_batches[i % len(local_batches)])
+        if ctx.is_cuda:
+            transient[name] = max(transient[name], torch.cuda.max_memory_allocated(ctx.device) - start)
+
+    items = {name: Timed(run=lambda i, n=name: step(n, i)) for name in peers}
     samples, errors = interleaved(ctx, items, cfg.plan)
     tokens = cfg.global_batch * spec.tokens_per_sample
     for name in peers:
@@ -78,6 +103,8 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
         stats = summarize(samples[name])
         entry.update(status="ok", time=stats, samples_ms=[s * 1e3 for s in samples[name]],
                      tokens_per_s=tokens / (stats["median_ms"] / 1e3))
+        if ctx.is_cuda:
+            entry["peak_bytes"] = entry["state_bytes"] + transient[name]
     local = entries.get("local", {}).get("time")
     for entry in entries.values():
         if "time" in entry and local is not None:
@@ -93,6 +120,7 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
         "units": spec.n_units,
         "param_bytes": param_bytes(model),
         "plan": vars(cfg.plan),
+        "tf32": cfg.tf32 and ctx.is_cuda,
         "guard_tolerance": {"loss_rtol": guard.LOSS_RTOL, "grad_norm_rtol": guard.GRAD_RTOL},
         "reference": ref,
         "peers": entries,
