@@ -99,12 +99,17 @@ def _measure(rank: int, world_size: int, backend: str, limit: int | None) -> dic
     if limit is not None:
         os.environ["FLATSHARD_ALL_GATHER_LIMIT"] = str(limit)
     x = torch.randn(BATCH, DIM, device=device)
-    # cuBLAS's handle and workspace are the process's, made by its first matmul: before the baseline.
+    # cuBLAS's and cuBLASLt's workspaces (Lt: 1 MiB, for a Linear with bias) are the process's,
+    # made by the first matrix product of each kind: before the baseline.
     w = torch.randn(DIM, DIM, device=device, requires_grad=True)
-    (x @ w).sum().backward()
-    del w
+    b = torch.zeros(DIM, device=device, requires_grad=True)
+    (torch.nn.functional.linear(x, w, b).sum() + (x @ w).sum()).backward()
+    del w, b
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
+    artifacts = os.environ.get("FLATSHARD_TEST_ARTIFACTS")
+    if artifacts and rank == 0:
+        torch.cuda.memory._record_memory_history(max_entries=200000)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Stack()
@@ -126,8 +131,12 @@ def _measure(rank: int, world_size: int, backend: str, limit: int | None) -> dic
     step()
     torch.cuda.synchronize()
     stats = torch.cuda.memory_stats()
+    if artifacts and rank == 0:
+        name = f"memory_{backend}_w{world_size}_limit{limit}.pickle"
+        torch.cuda.memory._dump_snapshot(os.path.join(artifacts, name))
     return {
         "state": state,
+        "state_after": torch.cuda.memory_allocated() - base,
         "peak": torch.cuda.max_memory_allocated() - base,
         "peak_reserved": torch.cuda.max_memory_reserved(),
         "num_alloc_retries": stats.get("num_alloc_retries", 0),
@@ -147,5 +156,6 @@ def test_step_memory_within_bound(backend, world_size, limit):
               f"peak {got['peak'] / MIB:.2f} MiB (bound {want['peak'] / MIB:.2f}), peak reserved "
               f"{got['peak_reserved'] / MIB:.1f} MiB, limiter stalls {got['limiter_stalls']}")
         assert got["state"] <= want["state"], f"rank {rank}: between steps {got} over {want}"
+        assert got["state_after"] == got["state"], f"rank {rank}: what stays between steps grew: {got}"
         assert got["peak"] <= want["peak"], f"rank {rank}: step peak {got} over {want}"
         assert got["num_alloc_retries"] == 0, f"rank {rank}: the allocator retried: {got}"

@@ -72,11 +72,13 @@ def run_memory(ctx: Ctx, cfg: MemoryConfig) -> dict:
     batches = make_batches(spec, cfg.steps + 1, ctx.world_size)  # one sequence per rank
     local = [tuple(t.to(ctx.device) for t in local_slice(b, ctx.rank, ctx.world_size)) for b in batches]
     if ctx.is_cuda:
-        # cuBLAS's handle and workspaces belong to the process, made by its first matrix
-        # product: make them now, or the first peer measured is charged for them.
+        # cuBLAS's and cuBLASLt's workspaces belong to the process, made by the first
+        # matrix product of each kind (Lt: a Linear with bias): make them now, or the
+        # first peer measured is charged for them.
         w = torch.randn(64, 64, device=ctx.device, requires_grad=True)
-        (w @ w).sum().backward()
-        del w
+        b = torch.zeros(64, device=ctx.device, requires_grad=True)
+        (torch.nn.functional.linear(w, w, b).sum() + (w @ w).sum()).backward()
+        del w, b
         ctx.sync()
     peers: dict[str, dict] = {}
     for name in PEERS:
