@@ -38,6 +38,20 @@ if [[ "${FLATSHARD_BUILD_TESTS:-OFF}" == ON ]] && ! [[ -e /usr/include/gtest/gte
   fi
 fi
 
+# A compiler that links libstdc++ statically into shared libraries would give
+# flatshard._C a second libstdc++ beside torch's (see [Note: One libstdc++ with
+# torch] in CMakeLists.txt, which refuses it): fall back to the system's c++.
+links_shared_libstdcxx() {
+  local dir; dir=$(mktemp -d)
+  printf '#include <sstream>\n#include <string>\nstd::string probe(long v) { std::ostringstream s; s << v; return s.str(); }\n' >"$dir/p.cpp"
+  "$1" -shared -fPIC "$dir/p.cpp" -o "$dir/p.so" 2>/dev/null && grep -aq 'libstdc++\.so' "$dir/p.so"
+  local rc=$?; rm -rf "$dir"; return $rc
+}
+if [[ -n "${CXX:-}" ]] && ! links_shared_libstdcxx "$CXX" && command -v c++ >/dev/null && links_shared_libstdcxx c++; then
+  echo "== CXX=$CXX links libstdc++ statically into shared libraries; building with $(command -v c++) instead"
+  export CXX=$(command -v c++) CC=$(command -v cc || echo cc)
+fi
+
 echo "== building flatshard (torch $("$PY" -c 'import torch; print(torch.__version__)'))"
 start=$(date +%s)
 # --no-build-isolation: build against the torch installed here, never download another.
