@@ -166,8 +166,9 @@ def _meta(device: str, quick: bool) -> dict:
         except (OSError, subprocess.CalledProcessError):
             return ""
 
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    if git("status", "--porcelain", "--", "python", "csrc"):
+    # The GPU machine receives the working tree without a current .git: FLATSHARD_COMMIT names it there.
+    commit = os.environ.get("FLATSHARD_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
+    if "FLATSHARD_COMMIT" not in os.environ and git("status", "--porcelain", "--", "python", "csrc"):
         commit += " + uncommitted library changes"
     if device == "cuda":
         machine = f"{torch.cuda.device_count()}× {torch.cuda.get_device_name(0)}, NCCL"

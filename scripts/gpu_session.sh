@@ -21,13 +21,17 @@ export PYTHONUNBUFFERED=1 TORCH_NCCL_AVOID_RECORD_STREAMS=1 FLATSHARD_CPP_TESTS=
 what=${1:-all}
 rc=0
 if [[ "$what" == all || "$what" == tests ]]; then
-  bash scripts/test.sh -m gpu -rs 2>&1 | tee "$out/test_gpu.log" || rc=1
-  python3 -m pytest tests -q -x -m "not gpu" 2>&1 | tee "$out/test_all.log" || rc=1
+  # The GPU tests' traces and memory snapshots go into one archive (at most 8 files come back).
+  export FLATSHARD_TEST_ARTIFACTS=/tmp/flatshard-artifacts
+  mkdir -p "$FLATSHARD_TEST_ARTIFACTS"
+  bash scripts/test.sh -m gpu -rA 2>&1 | tee "$out/test_gpu.log" || rc=1
+  tar czf "$out/test_artifacts.tgz" -C /tmp flatshard-artifacts
+  python3 -m pytest tests -q -m "not gpu" 2>&1 | tee "$out/test_all.log" || rc=1
 fi
 if [[ "$what" == all || "$what" == bench ]]; then
   # --no-publish: RESULTS.md's GPU section is written by hand from these files.
   bash scripts/run_benchmarks.sh --no-publish --out /tmp/flatshard-bench 2>&1 | tee "$out/bench.log" || rc=1
-  for f in results.json table.md step_time.png memory.png; do  # the device returns at most 8 files
+  for f in results.json table.md step_time.png; do  # the device returns at most 8 files
     cp /tmp/flatshard-bench/$f "$out/" 2>/dev/null || echo "no $f" >>"$out/bench.log"
   done
 fi
