@@ -1,0 +1,83 @@
+"""Names and small helpers that every part of ``FullyShardedDataParallel`` shares."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from flatshard import _C
+from flatshard.api import ShardingStrategy
+
+logger = logging.getLogger("flatshard")
+
+WRAPPED = "_fsdp_wrapped_module"
+FLAT_PARAM = "_flat_param"
+WRAPPED_PREFIX = WRAPPED + "."
+# Set on an original parameter once a unit owns it: (unit name, parameter name).
+OWNER_ATTR = "_flatshard_owner"
+
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+SHARDED = _C.ShardedState.SHARDED
+
+
+def clean_name(name: str) -> str:
+    """A name without the wrappers' ``_fsdp_wrapped_module.`` parts: the original module's."""
+    return name.replace(WRAPPED_PREFIX, "")
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def is_unit(module: Any) -> bool:
+    """Whether ``module`` is a flatshard ``FullyShardedDataParallel`` (without importing the class)."""
+    return getattr(type(module), "_is_flatshard_unit", False)
+
+
+def fsdp_modules(module: nn.Module, root_only: bool = False) -> list:
+    """Every unit in ``module`` (only the outermost ones with ``root_only``)."""
+    units = [m for m in module.modules() if is_unit(m)]
+    if root_only:
+        inner = {id(m) for u in units for m in u.modules() if m is not u}
+        units = [u for u in units if id(u) not in inner]
+    return units
+
+
+def unit_label(unit: Any) -> str:
+    """How error messages name a unit: its name, or ``<root>``."""
+    return unit._unit_name or "<root>"
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for f in obj.__dataclass_fields__:
+            yield from tensors_in(getattr(obj, f))
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True) if obj.device != device else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_device(x, device) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,432 @@
+"""Building a unit: process groups, device, meta-device materialization, sync, the flat parameter.
+
+Everything here runs at wrap time (``FullyShardedDataParallel.__init__``) or at the
+root's lazy init, before the first forward; nothing here is on the per-step path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard import _C
+from flatshard._common import FLAT_PARAM, HYBRID, OWNER_ATTR, clean_name, is_unit, join
+from flatshard.api import ShardingStrategy
+
+
+def resolve_groups(
+    process_group: Any, device_mesh: Any, strategy: ShardingStrategy
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(shard group, replicate group or None) from torch's process_group/device_mesh arguments."""
+    hybrid = strategy in HYBRID
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError(
+                "FullyShardedDataParallel: expected process_group or device_mesh but got both; pass one."
+            )
+        if hybrid:
+            if device_mesh.ndim != 2:
+                raise ValueError(
+                    f"FullyShardedDataParallel: {strategy}: expected a 2-D device_mesh (replicate, shard) "
+                    f"but got {device_mesh.ndim} dimensions"
+                )
+            return device_mesh.get_group(mesh_dim=1), device_mesh.get_group(mesh_dim=0)
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"FullyShardedDataParallel: {strategy}: expected a 1-D device_mesh but got "
+                f"{device_mesh.ndim} dimensions; 2-D meshes are for HYBRID_SHARD"
+            )
+        return device_mesh.get_group(), None
+    if isinstance(process_group, tuple):
+        if not hybrid:
+            raise ValueError(
+                f"FullyShardedDataParallel: a (shard_group, replicate_group) process_group is for "
+                f"HYBRID_SHARD or HYBRID_SHARD_ZERO2 but sharding_strategy is {strategy}; pass one group."
+            )
+        if len(process_group) != 2:
+            raise ValueError(
+                f"FullyShardedDataParallel: process_group: expected (shard_group, replicate_group) but got "
+                f"a tuple of {len(process_group)}"
+            )
+        return process_group[0], process_group[1]
+    if hybrid:
+        if process_group is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel: {strategy} needs a (shard_group, replicate_group) tuple or a "
+                f"2-D device_mesh, not one process group; or pass neither to shard within each host."
+            )
+        return per_host_groups()
+    return (process_group if process_group is not None else dist.group.WORLD), None
+
+
+def per_host_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Hybrid default: shard within each host, replicate across hosts (every rank builds every group)."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
+        torch.cuda.device_count() if torch.cuda.is_available() else world
+    )
+    if local < 1 or world % local:
+        raise ValueError(
+            f"FullyShardedDataParallel: hybrid sharding per host: expected the world size {world} to be a "
+            f"multiple of the ranks per host ({local}); pass process_group=(shard_group, replicate_group)."
+        )
+    shard = replicate = None
+    for start in range(0, world, local):
+        group = dist.new_group(list(range(start, start + local)))
+        if start <= rank < start + local:
+            shard = group
+    for offset in range(local):
+        group = dist.new_group(list(range(offset, world, local)))
+        if rank % local == offset:
+            replicate = group
+    return shard, replicate
+
+
+def resolve_device(device_id: int | torch.device | None, module: nn.Module, unit_name: str) -> torch.device:
+    if device_id is None:
+        real = [t.device for t in [*module.parameters(), *module.buffers()] if t.device.type != "meta"]
+        if real:
+            return real[0]
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    if isinstance(device_id, torch.device):
+        if device_id.type == "cuda" and device_id.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device_id
+    raise ValueError(
+        f"FullyShardedDataParallel: device_id: expected an int, a torch.device or None but got "
+        f"{device_id!r}"
+    )
+
+
+def expand_ignored(ignored_modules: Iterable[nn.Module] | None, root: nn.Module) -> set[nn.Module]:
+    if ignored_modules is None:
+        return set()
+    out: set[nn.Module] = set()
+    for m in ignored_modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"ignored_modules: expected nn.Module instances but got {m!r}")
+        if is_unit(m):
+            raise ValueError("ignored_modules: expected plain modules but got an FSDP unit")
+        out.update(m.modules())
+    if root in out:
+        raise ValueError("ignored_modules: the module being wrapped cannot itself be ignored")
+    return out
+
+
+def parent_slots(root: nn.Module) -> dict[nn.Module, tuple[nn.Module, str]]:
+    slots: dict[nn.Module, tuple[nn.Module, str]] = {}
+    for parent in root.modules():
+        for attr, child in parent.named_children():
+            slots.setdefault(child, (parent, attr))
+    return slots
+
+
+def unit_modules(module: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module]]:
+    """(relative name, module) for the modules a unit owns: its subtree minus inner units and ignored ones."""
+    stack = [("", module)]
+    seen: set[int] = set()
+    while stack:
+        prefix, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield prefix, m
+        children = [
+            (join(prefix, name), c)
+            for name, c in m.named_children()
+            if not is_unit(c) and c not in ignored
+        ]
+        stack.extend(reversed(children))
+
+
+def all_gather_limit(limit_all_gathers: bool) -> int:
+    """In-flight all-gathers allowed: FLATSHARD_ALL_GATHER_LIMIT (default 2), or 0 (unbounded)."""
+    if not limit_all_gathers:
+        return 0
+    raw = os.environ.get("FLATSHARD_ALL_GATHER_LIMIT", "2")
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ValueError(
+            f"FLATSHARD_ALL_GATHER_LIMIT: expected an integer >= 1 but got {raw!r}. Unset it (default 2) "
+            f"or pass limit_all_gathers=False for no limit."
+        )
+    return limit
+
+
+def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], ignored_params: set[nn.Parameter]) -> None:
+    """Collects the unit's parameters, materializes and moves them, flattens and shards.
+
+    Sets ``unit._param_slots``, ``_param_names``, ``_param_local_names`` and
+    ``_handle`` (None for a unit without parameters of its own), and registers
+    the local shard as ``unit._flat_param``.
+    """
+    unit_mods = list(unit_modules(module, ignored))
+    if unit._param_init_fn is not None and has_meta(unit_mods):
+        meta_originals = materialize_with(unit._param_init_fn, unit_mods, unit._unit_name)
+        if not unit._device_id_given:  # as torch: the device param_init_fn chose
+            real = [t for _, m in unit_mods for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+            if real:
+                unit._device = real[0].device
+    else:
+        meta_originals = materialize_meta(unit_mods, unit._device, unit._unit_name)
+    for _, m in unit_mods:  # buffers go where the parameters go (torch moves the whole module)
+        for attr, b in m._buffers.items():
+            if b is not None and b.device != unit._device:
+                m._buffers[attr] = b.to(unit._device)
+
+    params: list[nn.Parameter] = []
+    names: list[str] = []
+    local_names: list[str] = []  # relative to this unit's module (its own name may change at lazy init)
+    slots: list[tuple[nn.Module, str, int]] = []  # (module, attribute, index into params)
+    index_of: dict[int, int] = {}
+    for prefix, m in unit_mods:
+        for attr, p in m._parameters.items():
+            if p is None or p in ignored_params:
+                continue
+            fqn = join(unit._unit_name, join(prefix, attr))
+            check_not_owned(p, fqn)
+            if id(p) not in index_of:
+                index_of[id(p)] = len(params)
+                params.append(p)
+                names.append(fqn)
+                local_names.append(join(prefix, attr))
+            slots.append((m, attr, index_of[id(p)]))
+
+    unit._param_slots = slots
+    unit._param_names = names
+    unit._param_local_names = local_names
+    unit._handle = None
+    if params:
+        check_uniform(params, names, unit._unit_name)
+    if params and params[0].device != unit._device:
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.to(unit._device)
+    if unit._sync_module_states:
+        buffers = list({id(b): b for _, m in unit_mods for b in m._buffers.values() if b is not None}.values())
+        for group in (unit._process_group, unit._replicate_group):
+            if group is not None:
+                broadcast_from_first_rank([p.detach() for p in params] + buffers, group)
+    if not params:
+        return
+    for p, fqn in zip(params, names):
+        setattr(p, OWNER_ATTR, (unit._unit_name, fqn))
+        if id(p) in meta_originals:  # other units may still hold the meta original
+            setattr(meta_originals[id(p)], OWNER_ATTR, (unit._unit_name, fqn))
+    layout = _C.FlatParamLayout([list(p.shape) for p in params], unit._shard_factor)
+    with torch.no_grad():
+        shard_rank = unit._rank if unit._shard_factor > 1 else 0
+        unit._handle = _C.FlatParam(unit._unit_name, layout, shard_rank, [p.detach() for p in params])
+    flat = nn.Parameter(unit._handle.local_shard, requires_grad=params[0].requires_grad)
+    unit._handle.set_local_shard(flat)
+    unit.register_parameter(FLAT_PARAM, flat)
+    # The module attributes become plain tensors: views of the unsharded
+    # buffer (storage-less while sharded, see [Note: Unsharded storage]).
+    for m, attr, _ in slots:
+        del m._parameters[attr]
+
+
+def lazy_init(root: Any) -> None:
+    """Makes ``root`` the root of every unit below it and creates the shared scheduler."""
+    units = []
+    for name, m in root.named_modules():
+        if is_unit(m):
+            if m._is_root is not None:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: unit '{clean_name(name)}' ran forward on its own "
+                    f"before its root; call the outermost FSDP module's forward."
+                )
+            units.append((clean_name(name), m))
+    for name, unit in units:
+        for attr, what in (("_device", "device_id"), ("_limit_all_gathers", "limit_all_gathers")):
+            if getattr(unit, attr) != getattr(root, attr):
+                raise ValueError(
+                    f"FullyShardedDataParallel: unit '{name}' has {what}={getattr(unit, attr)} but its root "
+                    f"has {getattr(root, attr)}; the units of one root share one runtime. Wrap them "
+                    f"with the same {what}."
+                )
+        if unit._process_group is not root._process_group or unit._replicate_group is not root._replicate_group:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel: unit '{name}' uses other process groups than its root; "
+                f"flatshard runs all units of one root over the root's groups. Give every unit the "
+                f"same process_group."
+            )
+    scheduler = _C.Scheduler(
+        root._process_group, root._replicate_group, root._device, all_gather_limit(root._limit_all_gathers)
+    )
+    for name, unit in units:
+        unit._is_root = unit is root
+        # Not a submodule: through __dict__, so the module tree stays a tree.
+        unit.__dict__["_root"] = root
+        unit._scheduler = scheduler
+        unit._unit_name = name
+        if unit._handle is not None:
+            unit._handle.name = name
+    root._units = [u for _, u in units]
+
+
+def materialize_meta(
+    unit_modules: list[tuple[str, nn.Module]], device: torch.device, unit_name: str
+) -> dict[int, nn.Parameter]:
+    """Materializes the unit's meta-device modules on ``device`` with their reset_parameters().
+
+    Tied parameters stay tied (one new parameter per old one). A meta parameter
+    another unit already owns is left alone, for the caller's tied-parameter
+    check to report. Returns {id(new parameter): old meta parameter}.
+    """
+    # Every check before any change, so that an error leaves the model as it was.
+    todo = []
+    for prefix, m in unit_modules:
+        states = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        if not any(t.is_meta for t in states):
+            continue
+        if not callable(getattr(m, "reset_parameters", None)):
+            name = join(unit_name, prefix) or type(m).__name__
+            raise ValueError(
+                f"FullyShardedDataParallel: module '{name}' ({type(m).__name__}) has tensors on the meta "
+                f"device and no reset_parameters() to materialize them. Give it a reset_parameters() "
+                f"method or build the model on a real device."
+            )
+        todo.append(m)
+    new_of: dict[int, nn.Parameter] = {}
+    old_of: dict[int, nn.Parameter] = {}
+    for m in todo:
+        for attr, p in m._parameters.items():
+            if p is None or not p.is_meta or hasattr(p, OWNER_ATTR):
+                continue
+            if id(p) not in new_of:
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new_of[id(p)] = new
+                old_of[id(new)] = p
+            m._parameters[attr] = new_of[id(p)]
+        for attr, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[attr] = torch.empty_like(b, device=device)
+    with torch.no_grad():
+        for m in todo:
+            m.reset_parameters()
+    return old_of
+
+
+def materialize_with(
+    param_init_fn: Callable[[nn.Module], None], unit_modules: list[tuple[str, nn.Module]], unit_name: str
+) -> dict[int, nn.Parameter]:
+    """Calls ``param_init_fn`` on every module of the unit, as torch's FSDP does; checks nothing is left on meta.
+
+    Parameters tied before are tied after only if ``param_init_fn`` keeps them
+    so (``to_empty`` does not: re-tie them in ``param_init_fn``, as with torch).
+    A meta parameter that another unit already owns (a tie split across units)
+    is an error before anything runs. Returns {id(new parameter): the meta
+    parameter it replaced}, so that the caller marks the meta one as owned.
+    """
+    slots = []
+    for prefix, m in unit_modules:
+        for attr, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                check_not_owned(p, join(unit_name, join(prefix, attr)))
+                slots.append((m, attr, p))
+    # Breadth-first, root first, as torch calls it (a re-tie in param_init_fn may rely on that).
+    for _, m in sorted(unit_modules, key=lambda pm: pm[0].count(".") + 1 if pm[0] else 0):
+        param_init_fn(m)
+    for prefix, m in unit_modules:
+        for attr, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None and t.is_meta:
+                name = join(unit_name, join(prefix, attr))
+                raise ValueError(
+                    f"FullyShardedDataParallel: '{name}' is still on the meta device after param_init_fn "
+                    f"ran on module '{join(unit_name, prefix) or type(m).__name__}'. param_init_fn must "
+                    f"materialize the module's own parameters and buffers, e.g. "
+                    f"module.to_empty(device=..., recurse=False) followed by their initialization."
+                )
+    originals: dict[int, nn.Parameter] = {}
+    for m, attr, old in slots:
+        new = m._parameters.get(attr)
+        if new is not None and new is not old:
+            originals.setdefault(id(new), old)
+    return originals
+
+
+def has_meta(unit_modules: list[tuple[str, nn.Module]]) -> bool:
+    return any(
+        t.is_meta for _, m in unit_modules for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+    )
+
+
+def check_not_owned(p: torch.Tensor, fqn: str) -> None:
+    """Raises if another unit already owns ``p``: tied parameters must live in one unit."""
+    owner = getattr(p, OWNER_ATTR, None)
+    if owner is None:
+        return
+    owner_unit, owner_fqn = owner
+    raise ValueError(
+        f"FullyShardedDataParallel: parameter '{fqn}' is the same tensor as "
+        f"'{owner_fqn}', which unit '{owner_unit or '<root>'}' already owns: tied "
+        f"parameters must live in one unit. Put modules '{fqn.rpartition('.')[0] or '<root>'}' "
+        f"and '{owner_fqn.rpartition('.')[0] or '<root>'}' into one unit, e.g. do not "
+        f"wrap either on its own, so that their common parent owns the parameter."
+    )
+
+
+def check_uniform(params: list[nn.Parameter], names: list[str], unit_name: str) -> None:
+    unit = f"'{unit_name}'" if unit_name else "<root>"
+    first = params[0]
+    for attr, fix in (
+        ("dtype", "Cast the module to one dtype (e.g. module.float()) or wrap those modules in separate units"),
+        ("device", "Move the module to one device (or pass device_id=) or wrap those modules in separate units"),
+        ("requires_grad", "Freeze or unfreeze whole units, or wrap the frozen modules in separate units"),
+    ):
+        for p, n in zip(params, names):
+            if getattr(p, attr) != getattr(first, attr):
+                raise ValueError(
+                    f"FullyShardedDataParallel: unit {unit}: parameters of one unit must share one "
+                    f"{attr}, but '{names[0]}' has {attr}={getattr(first, attr)} and '{n}' has "
+                    f"{attr}={getattr(p, attr)}. {fix}."
+                )
+
+
+_SYNC_BUCKET_BYTES = 250 * 1024 * 1024  # as torch's FSDP1
+
+
+def broadcast_from_first_rank(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """sync_module_states: every rank of ``group`` gets its first rank's values.
+
+    Same-dtype tensors go in buckets of up to 250 MB (one broadcast each, so a
+    large unit never needs twice its size); a larger tensor goes alone, in place.
+    """
+    if dist.get_world_size(group) == 1 or not tensors:
+        return
+    src = dist.get_global_rank(group, 0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    buckets: list[list[torch.Tensor]] = []
+    for same in by_dtype.values():  # the same order on every rank: the module's
+        size = _SYNC_BUCKET_BYTES
+        for t in same:
+            nbytes = t.numel() * t.element_size()
+            if size + nbytes > _SYNC_BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(t)
+            size += nbytes
+    with torch.no_grad():
+        for bucket in buckets:
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                dist.broadcast(bucket[0], src=src, group=group)
+                continue
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -1,0 +1,153 @@
+"""Full-parameter access between iterations: ``summon_full_params``, ``apply``, ``clip_grad_norm_``.
+
+Each gathers what it needs through the same scheduler verbs as training
+(unshard, wait, reshard) and leaves nothing unsharded behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard._common import FLAT_PARAM, fsdp_modules, in_backward, is_unit
+from flatshard._runtime import abort_backward, reshard
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
+    """See ``FullyShardedDataParallel.summon_full_params``."""
+    for arg, value in (("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu), ("with_grads", with_grads)):
+        if value:
+            raise NotImplementedError(
+                f"summon_full_params: {arg}=True is not implemented in flatshard yet."
+            )
+    roots = [module] if is_unit(module) else fsdp_modules(module, root_only=True)
+    for root in roots:
+        if root._is_root is None:
+            root._lazy_init()
+    units = fsdp_modules(module) if recurse else roots
+    units = [u for u in units if not u._in_summon]
+    if in_backward():
+        raise RuntimeError(
+            "summon_full_params: called during backward; call it between iterations."
+        )
+    for root in roots:
+        if root._final_callback_queued:
+            abort_backward(root)
+    entered: list[tuple[Any, list[nn.Parameter]]] = []
+    try:
+        for unit in units:
+            entered.append((unit, _expose_full_params(unit)))
+        yield
+    finally:
+        for unit, full in reversed(entered):
+            _hide_full_params(unit, full, writeback)
+
+
+def _expose_full_params(unit: Any) -> list[nn.Parameter]:
+    unit._in_summon = True
+    handle = unit._handle
+    if handle is None:
+        return []
+    unit._scheduler.unshard(handle)
+    unit._scheduler.wait_for_unshard(handle)
+    flat = unit._parameters.pop(FLAT_PARAM)
+    full = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in handle.views()]
+    for m, attr, index in unit._param_slots:
+        m.__dict__.pop(attr, None)
+        m._parameters[attr] = full[index]
+    unit.__dict__["_summoned_flat_param"] = flat
+    return full
+
+
+def _hide_full_params(unit: Any, full: list[nn.Parameter], writeback: bool) -> None:
+    unit._in_summon = False
+    handle = unit._handle
+    if handle is None:
+        return
+    flat = unit.__dict__.pop("_summoned_flat_param")
+    for m, attr, _ in unit._param_slots:
+        m._parameters.pop(attr, None)
+    unit.register_parameter(FLAT_PARAM, flat)
+    if writeback:
+        begin, end = handle.layout.shard_range(handle.rank)
+        with torch.no_grad():
+            flat.copy_(handle.unsharded[begin:end])
+    # Parameters a caller kept from inside the context must not read freed
+    # storage: they become empty (clone inside the context to keep values).
+    for p in full:
+        p.data = p.data.new_empty(0)
+    reshard(unit)
+
+
+def apply(unit: Any, fn: Callable[[nn.Module], None]) -> Any:
+    """See ``FullyShardedDataParallel.apply``."""
+    uninitialized = unit._is_root is None
+    with summon_full_params(unit, recurse=False, writeback=True):
+        out = nn.Module.apply(unit, fn)
+    if uninitialized:
+        # Summoning made this unit a root; it may not be the real one (apply
+        # on inner units before wrapping their parent): decide at the first forward.
+        for _, u in unit.named_modules():
+            if is_unit(u):
+                u._is_root = None
+                u.__dict__["_root"] = None
+                u._scheduler = None
+                u._units = []
+    return out
+
+
+@torch.no_grad()
+def clip_grad_norm(root: Any, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
+    """See ``FullyShardedDataParallel.clip_grad_norm_``."""
+    if root._is_root is None:
+        root._lazy_init()
+    if not root._is_root:
+        raise RuntimeError(
+            f"FullyShardedDataParallel.clip_grad_norm_: expected the root unit but '{root._unit_name}' "
+            f"is nested; call it on the outermost FSDP module."
+        )
+    norm_type = float(norm_type)
+    sharded, replicated = [], []
+    managed = set()
+    for unit in root._units:
+        if unit._handle is None:
+            continue
+        managed.add(id(unit._flat_param))
+        if unit._flat_param.grad is not None:
+            (replicated if unit._handle.is_replicated else sharded).append(unit._flat_param.grad)
+    replicated += [p.grad for p in root.parameters() if id(p) not in managed and p.grad is not None]
+    grads = sharded + replicated
+    dtype = grads[0].dtype if grads else torch.float32
+    for g in grads[1:]:
+        dtype = torch.promote_types(dtype, g.dtype)
+
+    def local(gs: list[torch.Tensor]) -> torch.Tensor:
+        if not gs:
+            return torch.zeros((), device=root._device)
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in gs])
+        return norms.max() if norm_type == math.inf else (norms**norm_type).sum()
+
+    shard_part, replicated_part = local(sharded), local(replicated)
+    if norm_type == math.inf:
+        dist.all_reduce(shard_part, op=dist.ReduceOp.MAX, group=root._process_group)
+        total = torch.maximum(shard_part, replicated_part)
+    else:
+        dist.all_reduce(shard_part, group=root._process_group)
+        total = (shard_part + replicated_part) ** (1.0 / norm_type)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total.to(dtype)

@@ -1,0 +1,266 @@
+"""Optimizer state dicts: ``FSDP.optim_state_dict`` and ``FSDP.optim_state_dict_to_load``.
+
+[Note: Optimizer state dicts]
+FULL_STATE_DICT format, as torch's FSDP1 writes it: {"state": {original
+parameter name: {key: value}}, "param_groups": [{..., "params": [names]}]}.
+The optimizer steps the flat shards, so a state tensor shaped like a shard
+(Adam's moments) is all-gathered over the shard group, its padding dropped
+and split at the layout's offsets into one tensor per original parameter;
+anything else (a scalar ``step``) is repeated for each. A tied parameter
+appears once, under its first name. Loading is the reverse: each rank
+concatenates a unit's entries in flat order, pads, and keeps its shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard._common import clean_name, fsdp_modules, is_unit, join
+
+
+def optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """The optimizer's state under the original parameter names (see [Note: Optimizer state dicts]).
+
+    Collective over every unit's group: every rank must call it.
+    ``optim_state_dict`` defaults to ``optim.state_dict()``. The units'
+    FullOptimStateDictConfig applies: ``offload_to_cpu`` (default True)
+    and ``rank0_only`` (other ranks get ``{}``).
+    """
+    if group is not None:
+        raise NotImplementedError(
+            "FullyShardedDataParallel.optim_state_dict: group= is not implemented in flatshard; the "
+            "units' own groups are used."
+        )
+    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+    entries, config = _optim_entries(model, optim, "optim_state_dict")
+    _check_same_state_keys(entries, osd)
+    keep = not config.rank0_only or dist.get_rank() == 0
+    state: dict[str, dict[str, Any]] = {}
+    names_of: dict[int, list[str]] = {}
+    for index, entry in enumerate(entries):
+        values = osd["state"].get(index, {})
+        names_of[index] = entry.names
+        full = {entry.names[0]: dict(values)} if entry.unit is None else _unflatten_state(entry, values)
+        if keep:
+            for name, per_param in full.items():
+                if per_param:
+                    state[name] = {
+                        k: (v.detach().clone().cpu() if config.offload_to_cpu else v.detach().clone())
+                        if isinstance(v, torch.Tensor) else v
+                        for k, v in per_param.items()
+                    }
+    if not keep:
+        return {}
+    groups = []
+    for g in osd["param_groups"]:
+        g = dict(g)
+        g["params"] = [name for index in g["params"] for name in names_of[index]]
+        groups.append(g)
+    return {"state": state, "param_groups": groups}
+
+
+def optim_state_dict_to_load(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any],
+    is_named_optimizer: bool = False,
+    load_directly: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Turns a state dict from ``optim_state_dict`` (ours or torch's FSDP1, FULL) into one for ``optim``.
+
+    Each rank keeps its shard of every unit's state. With the units'
+    ``rank0_only`` config only rank 0 needs to pass the dict (it is
+    broadcast). ``load_directly`` also loads it into ``optim``.
+    """
+    if is_named_optimizer or group is not None:
+        raise NotImplementedError(
+            "FullyShardedDataParallel.optim_state_dict_to_load: is_named_optimizer and group= are not "
+            "implemented in flatshard."
+        )
+    entries, config = _optim_entries(model, optim, "optim_state_dict_to_load")
+    if config.rank0_only:
+        if dist.get_rank() == 0:  # on the CPU: pickled tensors would land on rank 0's device
+            optim_state_dict = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: t.detach().cpu(), optim_state_dict
+            )
+        box = [optim_state_dict if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        optim_state_dict = box[0]
+    if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict or "param_groups" not in optim_state_dict:
+        raise ValueError(
+            "FullyShardedDataParallel.optim_state_dict_to_load: expected the dict that "
+            "FSDP.optim_state_dict() returns ({'state': ..., 'param_groups': ...}) but got "
+            f"{type(optim_state_dict).__name__} with keys {sorted(optim_state_dict) if isinstance(optim_state_dict, dict) else '-'}"
+        )
+    full_state = optim_state_dict["state"]
+    known = {n for entry in entries for n in entry.names}
+    unknown = [k for k in full_state if k not in known]
+    if unknown:
+        raise ValueError(
+            f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict has state for "
+            f"{unknown[:3]}{' and more' if len(unknown) > 3 else ''}, which are not parameters of the "
+            f"model (its names: {sorted(known)[:3]}...); pass the dict FSDP.optim_state_dict() returned "
+            f"for this model, not optim.state_dict()."
+        )
+    state: dict[int, dict[str, Any]] = {}
+    for index, entry in enumerate(entries):
+        names = entry.names
+        present = [n for n in names if n in full_state]
+        if not present:
+            continue
+        if len(present) != len(names):
+            missing = [n for n in names if n not in full_state]
+            raise ValueError(
+                f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict has state for "
+                f"'{present[0]}' but not for {missing}, which the optimizer steps as one flat "
+                f"parameter (unit '{entry.unit._unit_name or '<root>'}'); save and load the whole model's "
+                f"optimizer state."
+            )
+        device = entry.param.device
+        if entry.unit is None:
+            state[index] = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in full_state[names[0]].items()}
+        else:
+            state[index] = _flatten_state(entry, [full_state[n] for n in names], device)
+    groups = []
+    saved_groups = optim_state_dict["param_groups"]
+    if len(saved_groups) != len(optim.param_groups):
+        raise ValueError(
+            f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict has {len(saved_groups)} "
+            f"param groups but the optimizer has {len(optim.param_groups)}."
+        )
+    position = 0
+    for saved, current in zip(saved_groups, optim.param_groups):
+        g = {k: v for k, v in saved.items() if k != "params"}
+        g["params"] = list(range(position, position + len(current["params"])))
+        position += len(current["params"])
+        groups.append(g)
+    result = {"state": state, "param_groups": groups}
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
+
+
+class _OptimEntry:
+    """One parameter the optimizer steps: a unit's flat shard (``unit`` set; ``names`` in flat
+    order) or a plain parameter (``names`` is its one name)."""
+
+    def __init__(self, param: nn.Parameter, unit: Any, names: list[str]):
+        self.param, self.unit, self.names = param, unit, names
+
+
+def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) -> tuple[list[_OptimEntry], Any]:
+    """The optimizer's parameters in its order, each with its original name(s); and the optim config."""
+    units = fsdp_modules(model)
+    if not units:
+        raise ValueError(f"FullyShardedDataParallel.{what}: expected a model with FSDP units but found none")
+    for root in fsdp_modules(model, root_only=True):
+        if root._is_root is None:
+            root._lazy_init()
+    unit_of = {id(u._flat_param): u for u in units if u._handle is not None}
+    # Names relative to ``model``: the unit's path in it, then the parameter's path in the unit.
+    path_of = {id(m): clean_name(n) for n, m in model.named_modules() if is_unit(m)}
+    plain_names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        if id(p) not in unit_of:
+            plain_names.setdefault(id(p), clean_name(name))
+    entries = []
+    for group_ in optim.param_groups:
+        for p in group_["params"]:
+            unit = unit_of.get(id(p))
+            if unit is None:
+                if id(p) not in plain_names:
+                    raise ValueError(
+                        f"FullyShardedDataParallel.{what}: the optimizer steps a parameter of shape "
+                        f"{tuple(p.shape)} that is not in the model; pass the model the optimizer was built for."
+                    )
+                entries.append(_OptimEntry(p, None, [plain_names[id(p)]]))
+                continue
+            entries.append(_OptimEntry(p, unit, [join(path_of[id(unit)], n) for n in unit._param_local_names]))
+    return entries, units[0]._optim_state_dict_config
+
+
+def _check_same_state_keys(entries: list[_OptimEntry], osd: dict[str, Any]) -> None:
+    """Every rank must have the same state keys per unit, or the gathers below would not pair up."""
+    mine = [sorted(osd["state"].get(i, {})) if e.unit is not None and not e.unit._handle.is_replicated else None
+            for i, e in enumerate(entries)]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        for entry, a, b in zip(entries, mine, theirs):
+            if a != b:
+                raise ValueError(
+                    f"FullyShardedDataParallel.optim_state_dict: unit '{entry.unit._unit_name or '<root>'}' has "
+                    f"optimizer state {a} on rank {dist.get_rank()} but {b} on rank {rank}; every rank must "
+                    f"step the same parameters before saving (e.g. call optim.step() on every rank)."
+                )
+
+
+def _unflatten_state(entry: _OptimEntry, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One unit's flat-shard optimizer state as full per-parameter state. Collective over its shard group."""
+    unit = entry.unit
+    handle = unit._handle
+    layout = handle.layout
+    per_param: dict[str, dict[str, Any]] = {n: {} for n in entry.names}
+
+    def per_element(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.param.shape
+
+    # torch's order: the per-element state, then the rest (each in the optimizer's order,
+    # which is the same on every rank: the collectives below follow it).
+    keys = [k for k in values if per_element(values[k])] + [k for k in values if not per_element(values[k])]
+    for key in keys:
+        value = values[key]
+        if per_element(value):
+            flat = value.detach()
+            if not handle.is_replicated:
+                gathered = flat.new_empty(layout.padded_numel)
+                dist.all_gather_into_tensor(gathered, flat.contiguous(), group=unit._process_group)
+                flat = gathered
+            for name, offset, numel, shape in zip(entry.names, layout.offsets, layout.numels, layout.shapes):
+                per_param[name][key] = flat[offset : offset + numel].view(shape).clone()
+        else:
+            for name in entry.names:
+                per_param[name][key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return per_param
+
+
+def _flatten_state(entry: _OptimEntry, saved: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """Full per-parameter optimizer state (in the unit's flat order) as this rank's flat-shard state."""
+    handle = entry.unit._handle
+    layout = handle.layout
+    out: dict[str, Any] = {}
+    if all(len(shape) == 0 for shape in layout.shapes):
+        raise NotImplementedError(
+            f"FullyShardedDataParallel.optim_state_dict_to_load: unit '{entry.unit._unit_name or '<root>'}' "
+            f"holds only 0-dim parameters, whose per-element state cannot be told from a scalar such "
+            f"as 'step'; wrap them together with other parameters."
+        )
+    for key in saved[0]:
+        first = saved[0][key]
+        shaped = [isinstance(s.get(key), torch.Tensor) and tuple(s[key].shape) == tuple(shape)
+                  for s, shape in zip(saved, layout.shapes)]
+        any_dims = any(isinstance(s.get(key), torch.Tensor) and s[key].dim() > 0 for s in saved)
+        if any_dims and all(shaped):
+            flat = torch.cat([s[key].detach().reshape(-1).to(device) for s in saved])
+            flat = torch.cat([flat, flat.new_zeros(layout.padded_numel - flat.numel())])
+            begin, end = layout.shard_range(handle.rank)
+            out[key] = flat[begin:end].clone()
+        elif any_dims:
+            bad = [n for n, ok in zip(entry.names, shaped) if not ok][0]
+            raise ValueError(
+                f"FullyShardedDataParallel.optim_state_dict_to_load: state '{key}' of '{bad}' does not have "
+                f"the parameter's shape; expected a state dict from FSDP.optim_state_dict()."
+            )
+        else:  # a scalar such as Adam's step: the optimizer's load_state_dict places it
+            out[key] = first.clone() if isinstance(first, torch.Tensor) else first
+    return out

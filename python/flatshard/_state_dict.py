@@ -1,0 +1,143 @@
+"""Model state dicts: ``state_dict``, ``load_state_dict`` and the state dict type settings.
+
+[Note: State dicts]
+StateDictType.FULL_STATE_DICT, torch's default: state_dict() gathers the
+full parameters (a collective: every rank calls it) and returns them
+under the original module's names, as a plain model's state_dict() would
+(tied parameters under each of their names); FullStateDictConfig's
+offload_to_cpu and rank0_only are honoured. load_state_dict() takes such
+a dict and writes every rank's shards. Nested units called from their
+root's state_dict() (inside summon_full_params) behave as plain modules.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard._common import clean_name, fsdp_modules
+from flatshard._full_params import summon_full_params
+from flatshard.api import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings, StateDictType
+
+
+def state_dict(unit: Any, args: tuple, destination: Any, prefix: str, keep_vars: bool) -> Any:
+    """See ``FullyShardedDataParallel.state_dict``."""
+    if unit._in_summon:
+        return nn.Module.state_dict(unit, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    if args:
+        raise ValueError(
+            "FullyShardedDataParallel.state_dict: positional arguments are not supported; pass "
+            "destination=, prefix= and keep_vars= by name."
+        )
+    config = unit._state_dict_config
+    out = destination if destination is not None else collections.OrderedDict()
+    keep = not config.rank0_only or dist.get_rank() == 0
+    with summon_full_params(unit, writeback=False):
+        full = nn.Module.state_dict(unit, prefix=prefix, keep_vars=keep_vars)
+        if keep:
+            for name, value in full.items():
+                if isinstance(value, torch.Tensor):
+                    # Plain tensors, cloned: the summoned storage is freed on exit.
+                    value = value.detach().clone()
+                    if config.offload_to_cpu:
+                        value = value.cpu()
+                out[clean_name(name)] = value
+    return out
+
+
+def load_state_dict(unit: Any, state_dict: Any, strict: bool, assign: bool) -> Any:
+    """See ``FullyShardedDataParallel.load_state_dict``."""
+    if assign and not unit._in_summon:
+        raise NotImplementedError(
+            "FullyShardedDataParallel.load_state_dict: assign=True is not implemented in flatshard; "
+            "load with assign=False (values are copied into the shards)."
+        )
+    result = nn.Module.load_state_dict(unit, state_dict, strict=strict, assign=assign)
+    return type(result)(
+        [clean_name(k) for k in result.missing_keys], [clean_name(k) for k in result.unexpected_keys]
+    )
+
+
+def register_load_hooks(unit: Any) -> None:
+    """Hooks that let a plain parent's ``load_state_dict()`` load into the unit too."""
+    unit._register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, unit))
+    unit.register_load_state_dict_post_hook(_post_load_state_dict)
+
+
+def _pre_load_state_dict(unit: Any, state_dict: Any, prefix: str, *args: Any) -> None:
+    # Runs before this module loads, also under a plain parent's load_state_dict():
+    # the outermost unit summons the full parameters and renames the original
+    # names to the wrapped ones; _post_load_state_dict writes the shards back.
+    if unit._in_summon:
+        return
+    stack = contextlib.ExitStack()
+    stack.enter_context(summon_full_params(unit, writeback=True))
+    unit.__dict__["_load_stack"] = stack
+    for actual in nn.Module.state_dict(unit, keep_vars=True):
+        clean = clean_name(actual)
+        if clean != actual and prefix + clean in state_dict:
+            state_dict[prefix + actual] = state_dict.pop(prefix + clean)
+
+
+def _post_load_state_dict(unit: nn.Module, incompatible_keys: Any) -> None:
+    stack = unit.__dict__.pop("_load_stack", None)
+    if stack is not None:
+        stack.close()
+
+
+def set_state_dict_type(
+    module: nn.Module, state_dict_type: StateDictType, state_dict_config: Any, optim_state_dict_config: Any
+) -> StateDictSettings:
+    """See ``FullyShardedDataParallel.set_state_dict_type``."""
+    if state_dict_type != StateDictType.FULL_STATE_DICT:
+        raise NotImplementedError(
+            f"FullyShardedDataParallel.set_state_dict_type: {state_dict_type} is not implemented in "
+            f"flatshard yet; use StateDictType.FULL_STATE_DICT."
+        )
+    configs = []
+    for config, cls in ((state_dict_config, FullStateDictConfig), (optim_state_dict_config, FullOptimStateDictConfig)):
+        config = cls() if config is None else config
+        if not isinstance(config, cls):
+            raise ValueError(
+                f"FullyShardedDataParallel.set_state_dict_type: expected a {cls.__name__} for "
+                f"FULL_STATE_DICT but got {config!r}"
+            )
+        configs.append(config)
+    state_dict_config, optim_state_dict_config = configs
+    units = fsdp_modules(module)
+    if not units:
+        raise ValueError("set_state_dict_type: expected a module with FSDP units but found none")
+    previous = get_state_dict_type(module)
+    for unit in units:
+        unit._state_dict_config = state_dict_config
+        unit._optim_state_dict_config = optim_state_dict_config
+    return previous
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    """See ``FullyShardedDataParallel.get_state_dict_type``."""
+    units = fsdp_modules(module)
+    if not units:
+        raise ValueError("get_state_dict_type: expected a module with FSDP units but found none")
+    unit = units[0]
+    return StateDictSettings(StateDictType.FULL_STATE_DICT, unit._state_dict_config, unit._optim_state_dict_config)
+
+
+@contextlib.contextmanager
+def state_dict_type(
+    module: nn.Module, state_dict_type: StateDictType, state_dict_config: Any, optim_state_dict_config: Any
+) -> Iterator[None]:
+    """See ``FullyShardedDataParallel.state_dict_type``."""
+    previous = set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+    try:
+        yield
+    finally:
+        set_state_dict_type(
+            module, previous.state_dict_type, previous.state_dict_config, previous.optim_state_dict_config
+        )
