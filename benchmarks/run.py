@@ -34,7 +34,7 @@ from fsbench.timing import Plan  # noqa: E402
 from fsbench.trace import TraceConfig, run_trace  # noqa: E402
 from fsbench.workloads import CollectivesConfig, TrainConfig, run_collectives, run_training  # noqa: E402
 
-WORKLOADS = ("gpt", "many-small-units", "collectives", "memory")
+WORKLOADS = ("gpt", "many-small-units", "collectives", "memory", "gpt-bf16")
 GPU_WORKLOADS = ("gpt-large", "limiter")  # CUDA only: too large for the CPU runs
 
 # Global batches: gpt 8 sequences x 64 tokens; many-small-units 16 samples of 16 features.
@@ -45,6 +45,10 @@ FULL = {
     "collectives": CollectivesConfig((1, 2, 4, 8, 16, 32, 64), Plan(warmup=2, rounds=10, steps_per_block=3,
                                                                     drop_per_block=1)),
     "memory_world_sizes": (1, 2, 4),
+    # The gpt workload in bf16 mixed precision (see [Note: bf16 peers] in fsbench/peers.py).
+    "gpt-bf16": TrainConfig("gpt", 8, Plan(warmup=2, rounds=10, steps_per_block=5, drop_per_block=1),
+                            precision="bf16"),
+    "bf16_memory_world_sizes": (1, 2),
     # 4 sequences x 1024 tokens, TF32 matrix products (float32 training as run on GPUs).
     "gpt-large": TrainConfig("gpt-large", 4, Plan(warmup=2, rounds=10, steps_per_block=5, drop_per_block=1),
                              tf32=True),
@@ -56,6 +60,9 @@ QUICK = {
                                                                 drop_per_block=1)),
     "collectives": CollectivesConfig((1, 4), Plan(warmup=1, rounds=2, steps_per_block=2, drop_per_block=1)),
     "memory_world_sizes": (1, 2),
+    "gpt-bf16": TrainConfig("gpt", 8, Plan(warmup=1, rounds=2, steps_per_block=3, drop_per_block=1),
+                            precision="bf16"),
+    "bf16_memory_world_sizes": (2,),
     "gpt-large": TrainConfig("gpt-large", 4, Plan(warmup=1, rounds=2, steps_per_block=2, drop_per_block=1),
                              tf32=True),
     "limiter": LimiterConfig(steps=2),
@@ -107,9 +114,9 @@ def main() -> int:
         return 0
 
     start = time.perf_counter()
-    results: dict = {"meta": _meta(device, args.quick), "timing": {}, "memory": {}}
+    results: dict = {"meta": _meta(device, args.quick), "timing": {}, "memory": {}, "memory_bf16": {}}
     for w in timing_world_sizes:
-        tasks = [(wl, run_training, cfg[wl]) for wl in ("gpt", "many-small-units") if wl in selected]
+        tasks = [(wl, run_training, cfg[wl]) for wl in ("gpt", "many-small-units", "gpt-bf16") if wl in selected]
         if "gpt-large" in selected and w == 1:
             tasks.append(("gpt-large", run_training, cfg["gpt-large"]))
         if "collectives" in selected and w == timing_world_sizes[0]:
@@ -131,6 +138,14 @@ def main() -> int:
             _say(f"memory at W={w}")
             results["memory"][str(w)] = launch([("memory", run_memory, MemoryConfig())], w, device)["memory"]
             _report_errors({"memory": results["memory"][str(w)]})
+    if "gpt-bf16" in selected:
+        for w in cfg["bf16_memory_world_sizes"]:
+            if w > max_world_size(device):
+                continue
+            _say(f"memory in bf16 at W={w}")
+            got = launch([("memory", run_memory, MemoryConfig(precision="bf16"))], w, device)["memory"]
+            results["memory_bf16"][str(w)] = got
+            _report_errors({"memory bf16": got})
     if "limiter" in selected:
         _say("limiter at W=2 on one GPU (gloo)")
         results["limiter"] = launch([("limiter", run_limiter, cfg["limiter"])], 2, device, one_gpu=True)["limiter"]

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from flatshard import FullyShardedDataParallel as FSDP
@@ -111,7 +110,7 @@ def test_meta_module_with_reset_parameters_is_materialized(single_rank):
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        ({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, "mixed_precision"),
+        ({"ignored_states": [torch.ones(1)]}, "ignored_states"),
         ({"use_orig_params": True}, "use_orig_params"),
     ],
 )

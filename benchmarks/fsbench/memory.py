@@ -62,6 +62,7 @@ class MemoryConfig:
     steps: int = 2
     seq_len: int = 16  # tokens per sequence; one sequence per rank
     timeline_peers: tuple[str, ...] = ("flatshard", "fsdp2")
+    precision: str = "fp32"  # or "bf16": see [Note: bf16 peers] in peers.py
 
 
 def run_memory(ctx: Ctx, cfg: MemoryConfig) -> dict:
@@ -106,6 +107,7 @@ def run_memory(ctx: Ctx, cfg: MemoryConfig) -> dict:
         "world_size": ctx.world_size,
         "device": ctx.device.type,
         "batch": {"sequences_per_rank": 1, "seq_len": cfg.seq_len},
+        "precision": cfg.precision,
         "param_bytes": param_bytes(model),
         "root_unit_param_bytes": root,
         "block_unit_param_bytes": max(blocks),
@@ -149,7 +151,7 @@ def _measure(name: str, spec, ctx: Ctx, batches: list, cfg: MemoryConfig, proces
         base = torch.cuda.memory_allocated()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, profile_memory=True) as prof:
-        peer = build_peer(name, spec, ctx)  # as built (the reduce op does not change memory)
+        peer = build_peer(name, spec, ctx, precision=cfg.precision)  # as built (the reduce op does not change memory)
         peer.step(*batches[0])  # warm-up: creates the optimizer state
         ctx.sync()
         if cuda:

@@ -9,6 +9,13 @@
 All use AdamW with the same hyperparameters, ``zero_grad(set_to_none=True)``
 after every step, FULL_SHARD for the sharded peers and default prefetching.
 
+[Note: bf16 peers]
+With ``precision="bf16"`` every peer trains in bf16 mixed precision as its users
+would set it up: flatshard and torch FSDP1 with ``MixedPrecision(param_dtype,
+reduce_dtype, buffer_dtype = bf16)``, FSDP2 with ``MixedPrecisionPolicy(param_dtype,
+reduce_dtype = bf16)``, DDP and local training under ``torch.autocast`` to bf16
+(their parameters and gradients stay fp32). The loss is taken in fp32 for all.
+
 [Note: gloo AVG]
 FSDP2 reduce-scatters with ``ReduceOp.AVG`` when it can; on gloo that op is
 known to sum instead in some versions, which trains with W-times gradients.
@@ -54,9 +61,15 @@ class Peer:
     replicated: bool  # every rank holds every gradient (DDP, local)
     units: int  # FSDP units built (0 for DDP / local)
     notes: list[str] = field(default_factory=list)
+    autocast: torch.dtype | None = None  # see [Note: bf16 peers]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.spec.loss(self.model(x), y)
+        if self.autocast is not None:
+            with torch.autocast(x.device.type, dtype=self.autocast):
+                out = self.model(x)
+        else:
+            out = self.model(x)
+        loss = self.spec.loss(out.float(), y)
         loss.backward()
         return loss.detach()
 
@@ -95,14 +108,19 @@ def _mesh(ctx: Ctx) -> Any:
     return _MESHES[key]
 
 
-def build_peer(name: str, spec: ModelSpec, ctx: Ctx, *, force_sum: bool = False) -> Peer:
+def build_peer(name: str, spec: ModelSpec, ctx: Ctx, *, force_sum: bool = False, precision: str = "fp32") -> Peer:
     """Wraps a fresh, identically initialized model as peer ``name`` (may raise).
 
     ``force_sum``: FSDP2 reduces with SUM then divides (see [Note: gloo AVG]).
+    ``precision``: "fp32" or "bf16" (see [Note: bf16 peers]).
     """
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision: expected 'fp32' or 'bf16' but got {precision!r}")
+    bf16 = precision == "bf16"
     model = spec.build()
     notes: list[str] = []
     units = 0
+    autocast = None
     if name in ("flatshard", "fsdp1"):
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -110,21 +128,28 @@ def build_peer(name: str, spec: ModelSpec, ctx: Ctx, *, force_sum: bool = False)
             from flatshard import FullyShardedDataParallel as FSDP
         else:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision
+
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                            buffer_dtype=torch.bfloat16) if bf16 else None
         with warnings.catch_warnings():  # torch's FSDP1 warns that it uses NO_SHARD at W=1
             warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
-            model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({spec.unit_cls}), device_id=ctx.device)
+            model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({spec.unit_cls}), device_id=ctx.device,
+                         mixed_precision=mp)
         units = len(FSDP.fsdp_modules(model))
         if name == "fsdp1" and ctx.world_size == 1:
             notes.append("W=1: torch's FSDP1 switches itself to NO_SHARD")
     elif name == "fsdp2":
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         model = model.to(ctx.device)
         mesh = _mesh(ctx)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
+            else MixedPrecisionPolicy()
         for m in list(model.modules()):
             if isinstance(m, spec.unit_cls):
-                fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+                fully_shard(m, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         units = len(fsdp_modules)
         if force_sum:
@@ -140,5 +165,8 @@ def build_peer(name: str, spec: ModelSpec, ctx: Ctx, *, force_sum: bool = False)
         model = model.to(ctx.device)
     else:
         raise ValueError(f"unknown peer {name!r}; expected one of {PEERS}")
+    if bf16 and name in ("ddp", "local"):
+        autocast = torch.bfloat16
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    return Peer(name, model, optimizer, spec, replicated=name in ("ddp", "local"), units=units, notes=notes)
+    return Peer(name, model, optimizer, spec, replicated=name in ("ddp", "local"), units=units, notes=notes,
+                autocast=autocast)

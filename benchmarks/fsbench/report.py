@@ -63,11 +63,14 @@ def headline(results: dict) -> list[tuple[str, str]]:
     multi = [w for w, _ in _timing_runs(results) if w > 1]
     if multi:
         w = multi[0]
-        gpt = timing[str(w)].get("gpt")
-        fs = _median(gpt, "flatshard")
-        for peer in ("fsdp2", "fsdp1", "ddp"):
-            rows.append((f"`gpt` W={w}: flatshard step time / {LABELS[peer]}", _ratio(fs, _median(gpt, peer))
-                         if fs and _median(gpt, peer) else _failed(gpt, peer)))
+        for workload in ("gpt", "gpt-bf16"):
+            gpt = timing[str(w)].get(workload)
+            if gpt is None:
+                continue
+            fs = _median(gpt, "flatshard")
+            for peer in ("fsdp2", "fsdp1", "ddp"):
+                rows.append((f"`{workload}` W={w}: flatshard step time / {LABELS[peer]}",
+                             _ratio(fs, _median(gpt, peer)) if fs and _median(gpt, peer) else _failed(gpt, peer)))
     elif any("gpt" in runs for runs in timing.values()):
         rows.append(("`gpt` W≥2 step-time ratios", "not run here (one device)"))
     if "1" in timing:
@@ -91,13 +94,14 @@ def headline(results: dict) -> list[tuple[str, str]]:
         for peer in ("local", "fsdp2"):
             rows.append((f"`gpt-large` W=1: flatshard peak memory / {LABELS[peer]}",
                          _ratio(_peak(large, "flatshard"), _peak(large, peer))))
-    ws, mem = memory_rows(results)
-    for w in ws:
-        peers = mem[w].get("peers", {})
-        fs, f2 = peers.get("flatshard"), peers.get("fsdp2")
-        value = (_ratio(fs["peak_bytes"], f2["peak_bytes"]) if _ok(fs) and _ok(f2)
-                 else _why(mem[w] if not peers else fs if not _ok(fs) else f2))
-        rows.append((f"`gpt` W={w}: flatshard peak memory per rank / {LABELS['fsdp2']}", value))
+    for key, what in (("memory", "`gpt`"), ("memory_bf16", "`gpt-bf16`")):
+        ws, mem = memory_rows(results, key)
+        for w in ws:
+            peers = mem[w].get("peers", {})
+            fs, f2 = peers.get("flatshard"), peers.get("fsdp2")
+            value = (_ratio(fs["peak_bytes"], f2["peak_bytes"]) if _ok(fs) and _ok(f2)
+                     else _why(mem[w] if not peers else fs if not _ok(fs) else f2))
+            rows.append((f"{what} W={w}: flatshard peak memory per rank / {LABELS['fsdp2']}", value))
     return rows
 
 
@@ -179,13 +183,13 @@ def collectives_table(coll: dict) -> list[str]:
     return lines
 
 
-def memory_rows(results: dict) -> tuple[list[int], dict]:
-    mem = {int(w): r for w, r in results.get("memory", {}).items()}
+def memory_rows(results: dict, key: str = "memory") -> tuple[list[int], dict]:
+    mem = {int(w): r for w, r in results.get(key, {}).items()}
     return sorted(mem), mem
 
 
-def memory_table(results: dict) -> list[str]:
-    ws, mem = memory_rows(results)
+def memory_table(results: dict, key: str = "memory") -> list[str]:
+    ws, mem = memory_rows(results, key)
     if not ws:
         return ["Not run."]
     head = " | ".join(f"W={w}" for w in ws)
@@ -260,6 +264,7 @@ def markdown(results: dict) -> str:
             out += ["", f"{run['backend']} on {run['device']}, global batch {run['global_batch']}"
                     + (f" × {run['tokens_per_step'] // run['global_batch']} tokens" if workload.startswith("gpt") else "")
                     + (", TF32 matrix products" if run.get("tf32") else "")
+                    + (", bf16 mixed precision (see [Note: bf16 peers])" if run.get("precision") == "bf16" else "")
                     + f", {run['units']} units, {run['param_bytes'] / MIB:.1f} MiB of parameters; {kept} timed steps "
                     f"per peer ({plan['rounds']} interleaved rounds of {plan['steps_per_block']}, first of each "
                     f"dropped, after {plan['warmup']} warm-up + 4 guard steps). Ratios are of medians.", ""]
@@ -292,6 +297,11 @@ def markdown(results: dict) -> str:
                 + "; the bound is (params + grads + AdamW state) / W plus the root and two blocks unsharded and one "
                 "block's unsharded gradient. Every peer as built (FSDP2 with its default reduce op).", ""]
         out += memory_table(results)
+    if results.get("memory_bf16"):
+        out += ["", "### Peak memory per rank, bf16 mixed precision", "",
+                "As above, every peer in bf16 mixed precision (see [Note: bf16 peers] in `fsbench/peers.py`); the "
+                "fp32 bound does not apply.", ""]
+        out += [line for line in memory_table(results, "memory_bf16") if not line.startswith("| bound")]
     problems = _problems(results)
     if problems:
         out += ["", "### Could not run / failed", ""] + [f"- {p}" for p in problems]
@@ -317,13 +327,14 @@ def _problems(results: dict) -> list[str]:
     for row in (coll or {}).get("sizes", []):
         if "error" in row:
             found.append(f"`collectives` {row['size_mb']} MB: {_why(row)}")
-    for w, r in sorted(results.get("memory", {}).items()):
-        if "peers" not in r:
-            found.append(f"memory W={w}: {_why(r)}")
-            continue
-        for peer, entry in r["peers"].items():
-            if not _ok(entry):
-                found.append(f"memory W={w}, {LABELS.get(peer, peer)}: {_why(entry)}")
+    for key, what in (("memory", "memory"), ("memory_bf16", "memory bf16")):
+        for w, r in sorted(results.get(key, {}).items()):
+            if "peers" not in r:
+                found.append(f"{what} W={w}: {_why(r)}")
+                continue
+            for peer, entry in r["peers"].items():
+                if not _ok(entry):
+                    found.append(f"{what} W={w}, {LABELS.get(peer, peer)}: {_why(entry)}")
     return found
 
 

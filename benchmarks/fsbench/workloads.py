@@ -30,6 +30,7 @@ class TrainConfig:
     plan: Plan
     n_batches: int = 4  # distinct batches, cycled
     tf32: bool = False  # float32 matrix products on TF32 tensor cores (CUDA), for every peer alike
+    precision: str = "fp32"  # or "bf16": see [Note: bf16 peers] in peers.py
 
 
 def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
@@ -51,14 +52,15 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
         entry = entries[name] = {"label": LABELS[name]}
         gc.collect()
         allocated_before = torch.cuda.memory_allocated(ctx.device) if ctx.is_cuda else 0
-        peer, verdict = _build_and_guard(name, spec, ctx, ref, batches, entry)
+        peer, verdict = _build_and_guard(name, spec, ctx, ref, batches, entry, precision=cfg.precision)
         if verdict is None:
             continue
         if not verdict["passed"] and name == "fsdp2" and ctx.backend == "gloo" and ctx.world_size > 1:
             # See [Note: gloo AVG]: keep the verdict as it comes, retry with SUM + divide.
             entry["guard_as_built"] = verdict
             del peer
-            peer, verdict = _build_and_guard(name, spec, ctx, ref, batches, entry, force_sum=True)
+            peer, verdict = _build_and_guard(name, spec, ctx, ref, batches, entry, force_sum=True,
+                                             precision=cfg.precision)
             if verdict is None:
                 continue
         if name == "local" and ctx.world_size > 1:
@@ -121,7 +123,8 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
         "param_bytes": param_bytes(model),
         "plan": vars(cfg.plan),
         "tf32": cfg.tf32 and ctx.is_cuda,
-        "guard_tolerance": {"loss_rtol": guard.LOSS_RTOL, "grad_norm_rtol": guard.GRAD_RTOL},
+        "precision": cfg.precision,
+        "guard_tolerance": guard.tolerance(cfg.precision),
         "reference": ref,
         "peers": entries,
     }
@@ -139,7 +142,8 @@ def _build_and_guard(name: str, spec: ModelSpec, ctx: Ctx, ref: dict, batches: l
         entry.update(status="error", error=error or "failed on another rank")
         return None, None
     entry.update(units=peer.units, notes=peer.notes)
-    return peer, guard.check(peer, ref, batches, ctx)  # its steps are also the first warm-up
+    # Its steps are also the first warm-up.
+    return peer, guard.check(peer, ref, batches, ctx, **guard.tolerance(kwargs.get("precision", "fp32")))
 
 
 # ------------------------------------------------------------------ collectives
@@ -211,7 +215,7 @@ def _one_size(ctx: Ctx, mb: int, plan: Plan) -> dict:
 
     def fs_reduce_scatter(_i: int) -> None:
         handle.accumulate_grad([grad])
-        sched.reduce_grad(handle, float(w), False)
+        sched.reduce_grad(handle, float(w), 1.0, False)
         sched.finish_grad_sync()
 
     def drop_grad(_i: int) -> None:
@@ -246,7 +250,7 @@ def _check_paths(ctx: Ctx, model, full: torch.Tensor, grad: torch.Tensor) -> boo
     gathered = bool(torch.equal(handle.unsharded[: full.numel()], full))
     sched.reshard(handle)
     handle.accumulate_grad([grad])
-    sched.reduce_grad(handle, float(w), False)
+    sched.reduce_grad(handle, float(w), 1.0, False)
     sched.finish_grad_sync()
     expected = torch.empty(full.numel() // w, device=full.device)
     dist.reduce_scatter_tensor(expected, grad.clone(), op=dist.ReduceOp.SUM)

@@ -74,8 +74,17 @@ PYBIND11_MODULE(_C, m) {
       .value("UNSHARDED", flatshard::ShardedState::kUnsharded);
 
   py::class_<FlatParam>(m, "FlatParam", "One unit's storage: local shard and unsharded buffer.")
-      .def(py::init<std::string, FlatParamLayout, std::int64_t, const std::vector<at::Tensor>&>(),
-           py::arg("name"), py::arg("layout"), py::arg("rank"), py::arg("params"))
+      .def(py::init([](std::string name, FlatParamLayout layout, std::int64_t rank,
+                       const std::vector<at::Tensor>& params, std::optional<c10::Device> compute_device,
+                       std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
+                       std::optional<at::ScalarType> grad_dtype, bool offload) {
+             flatshard::FlatParamOptions options{compute_device, param_dtype, reduce_dtype, grad_dtype, offload};
+             return std::make_unique<FlatParam>(std::move(name), std::move(layout), rank, params, options);
+           }),
+           py::arg("name"), py::arg("layout"), py::arg("rank"), py::arg("params"), py::kw_only(),
+           py::arg("compute_device") = py::none(), py::arg("param_dtype") = py::none(),
+           py::arg("reduce_dtype") = py::none(), py::arg("grad_dtype") = py::none(), py::arg("offload") = false,
+           "See [Note: Mixed precision and offload] in csrc/flatshard/flat_param.h.")
       .def_property("name", &FlatParam::name, &FlatParam::set_name)
       .def_property_readonly("layout", &FlatParam::layout)
       .def_property_readonly("rank", &FlatParam::rank)
@@ -88,6 +97,11 @@ PYBIND11_MODULE(_C, m) {
       .def("has_unsharded_storage", &FlatParam::has_unsharded_storage)
       .def_property_readonly("unsharded_nbytes", &FlatParam::unsharded_nbytes)
       .def_property_readonly("is_replicated", &FlatParam::is_replicated)
+      .def_property_readonly("has_own_unsharded", &FlatParam::has_own_unsharded)
+      .def_property_readonly("compute_device", &FlatParam::compute_device)
+      .def_property_readonly("param_dtype", &FlatParam::param_dtype)
+      .def_property_readonly("reduce_dtype", &FlatParam::reduce_dtype)
+      .def_property_readonly("offload", &FlatParam::offload)
       .def(
           "accumulate_grad",
           [](FlatParam& self, const std::vector<std::optional<at::Tensor>>& grads) {
@@ -116,18 +130,20 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_for_unshard", &Scheduler::wait_for_unshard, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())
       .def("reshard", &Scheduler::reshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
-      .def("reduce_grad", &Scheduler::reduce_grad, py::arg("unit"), py::arg("divide_factor"),
+      .def("reduce_grad", &Scheduler::reduce_grad, py::arg("unit"), py::arg("predivide"), py::arg("postdivide"),
            py::arg("all_reduce_replicas"), py::call_guard<py::gil_scoped_release>())
       .def(
           "post_backward",
           [](Scheduler& self, FlatParam& unit, const std::vector<std::optional<at::Tensor>>& grads,
-             bool reduce, double divide_factor, bool all_reduce_replicas) {
+             bool reduce, double predivide, double postdivide, bool all_reduce_replicas) {
             std::vector<at::Tensor> defined = undefined_for_none(grads);
             py::gil_scoped_release no_gil;
-            self.post_backward(unit, defined, reduce, divide_factor, all_reduce_replicas);
+            self.post_backward(unit, defined, reduce, predivide, postdivide, all_reduce_replicas);
           },
-          py::arg("unit"), py::arg("grads"), py::arg("reduce"), py::arg("divide_factor"),
+          py::arg("unit"), py::arg("grads"), py::arg("reduce"), py::arg("predivide"), py::arg("postdivide"),
           py::arg("all_reduce_replicas"))
+      .def("gather_full_precision", &Scheduler::gather_full_precision, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>())
       .def("finish_grad_sync", &Scheduler::finish_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def("abort_grad_sync", &Scheduler::abort_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pending_reductions", &Scheduler::pending_reductions)

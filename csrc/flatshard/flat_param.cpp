@@ -91,29 +91,54 @@ std::vector<at::Tensor> FlatParam::views_of(const at::Tensor& flat, const FlatPa
 }
 
 FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank,
-                     const std::vector<at::Tensor>& params)
-    : name_(std::move(name)), layout_(std::move(layout)), rank_(rank) {
+                     const std::vector<at::Tensor>& params, const FlatParamOptions& opts)
+    : name_(std::move(name)),
+      layout_(std::move(layout)),
+      rank_(rank),
+      compute_device_(c10::kCPU),
+      param_dtype_(c10::kFloat),
+      reduce_dtype_(c10::kFloat) {
   TORCH_CHECK(!params.empty(), "flatshard: unit '", name_, "' has no parameters to flatten");
   TORCH_CHECK(rank_ >= 0 && rank_ < layout_.shard_factor(), "flatshard: unit '", name_,
               "': expected 0 <= rank < ", layout_.shard_factor(), " but got ", rank_);
   const at::TensorOptions options = params.front().options().requires_grad(false);
+  compute_device_ = opts.compute_device.value_or(options.device());
+  param_dtype_ = opts.param_dtype.value_or(options.dtype().toScalarType());
+  reduce_dtype_ = opts.reduce_dtype.value_or(options.dtype().toScalarType());
+  grad_dtype_ = opts.grad_dtype;
+  for (const auto& [what, dtype] : {std::pair{"param_dtype", param_dtype_}, std::pair{"reduce_dtype", reduce_dtype_}}) {
+    TORCH_CHECK(c10::isFloatingType(dtype), "flatshard: unit '", name_, "': expected a floating-point ", what,
+                " but got ", dtype);
+  }
+  // On a CPU-only run the host is the compute device: offloading moves nothing.
+  offload_ = opts.offload && compute_device_.type() != c10::DeviceType::CPU;
+  const at::TensorOptions compute = options.device(compute_device_).dtype(param_dtype_);
   {
     // The full flat tensor lives only until the shard is cut from it.
     const at::Tensor flat = flatten(params, layout_, options);
     const auto [begin, end] = layout_.shard_range(rank_);
     local_shard_ = flat.narrow(0, begin, end - begin).clone();
+    if (offload_) local_shard_ = local_shard_.to(c10::kCPU).pin_memory();
   }
-  if (is_replicated()) {
+  casts_ = local_shard_.device() != compute_device_ || param_dtype_ != local_shard_.scalar_type();
+  if (!has_own_unsharded()) {
     unsharded_ = local_shard_.detach();
     placeholder_views_ = views_of(unsharded_, layout_);
     state_ = ShardedState::kUnsharded;
   } else {
     // Everything that aliases the buffer is made while it has storage (set_
     // would grow an empty storage back), then the storage is dropped.
-    unsharded_ = at::empty({layout_.padded_numel()}, options);
-    placeholder_views_ = views_of(unsharded_, layout_);
-    all_gather_target_ = at::empty({0}, options);
+    unsharded_ = at::empty({layout_.padded_numel()}, compute);
+    all_gather_target_ = at::empty({0}, compute);
     all_gather_target_.set_(unsharded_.storage(), 0, {layout_.padded_numel()}, {1});
+    if (is_replicated()) {
+      placeholder_views_ = views_of(local_shard_.detach(), layout_);  // real values: see set_name
+    } else if (casts_) {
+      // Between iterations the modules see the parameters' own dtype (see [Note: Placeholders]).
+      placeholder_views_ = views_of(at::empty({layout_.padded_numel()}, options.device(compute_device_)), layout_);
+    } else {
+      placeholder_views_ = views_of(unsharded_, layout_);
+    }
     resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
   }
 
@@ -148,7 +173,7 @@ void FlatParam::accumulate_grad(const std::vector<at::Tensor>& grads) {
   TORCH_CHECK(static_cast<std::int64_t>(grads.size()) == layout_.num_params(), "flatshard: unit '",
               name_, "': expected ", layout_.num_params(), " gradients but got ", grads.size());
   if (!unsharded_grad_.defined()) {
-    unsharded_grad_ = flatten(grads, layout_, local_shard_.options().requires_grad(false));
+    unsharded_grad_ = flatten(grads, layout_, at::TensorOptions().device(compute_device_).dtype(param_dtype_));
     return;
   }
   for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
@@ -161,7 +186,9 @@ void FlatParam::accumulate_grad(const std::vector<at::Tensor>& grads) {
 at::Tensor FlatParam::take_unsharded_grad() {
   TORCH_INTERNAL_ASSERT(unsharded_grad_.defined(), "flatshard: unit '", name_,
                         "' has no unsharded gradient to reduce");
-  return std::exchange(unsharded_grad_, at::Tensor());
+  at::Tensor grad = std::exchange(unsharded_grad_, at::Tensor());
+  // On the current (compute) stream, so that the param_dtype gradient is freed in its order.
+  return grad.scalar_type() == reduce_dtype_ ? grad : grad.to(reduce_dtype_);
 }
 
 void FlatParam::set_local_shard(const at::Tensor& param) {
@@ -173,7 +200,7 @@ void FlatParam::set_local_shard(const at::Tensor& param) {
 }
 
 bool FlatParam::has_unsharded_storage() const {
-  return !is_replicated() && unsharded_.storage().nbytes() > 0;
+  return has_own_unsharded() && unsharded_.storage().nbytes() > 0;
 }
 
 
@@ -182,7 +209,7 @@ std::int64_t FlatParam::unsharded_nbytes() const {
 }
 
 void FlatParam::alloc_unsharded() {
-  if (is_replicated() || has_unsharded_storage() || layout_.padded_numel() == 0) return;
+  if (!has_own_unsharded() || has_unsharded_storage() || layout_.padded_numel() == 0) return;
   resize_storage(unsharded_.storage().unsafeGetStorageImpl(),
                  static_cast<std::size_t>(unsharded_nbytes()));
   MemoryCounter::add(unsharded_nbytes());
@@ -192,6 +219,60 @@ void FlatParam::free_unsharded() {
   if (!has_unsharded_storage()) return;
   resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
   MemoryCounter::add(-unsharded_nbytes());
+}
+
+namespace {
+// The shard on the compute device: moved there in its own dtype first (an
+// asynchronous copy from pinned memory), so that any cast runs on the device.
+at::Tensor on_device(const at::Tensor& shard, const c10::Device& device) {
+  return shard.detach().to(device, /*non_blocking=*/true);
+}
+}  // namespace
+
+at::Tensor FlatParam::all_gather_input() {
+  if (!casts_) return local_shard_.detach();
+  all_gather_input_ = on_device(local_shard_, compute_device_).to(param_dtype_);
+  return all_gather_input_;
+}
+
+void FlatParam::copy_shard_into_unsharded() {
+  all_gather_target_.copy_(on_device(local_shard_, compute_device_));
+}
+
+void FlatParam::accumulate_grad_shard(const at::Tensor& shard_grad) {
+  if (!offload_) {
+    add_into_grad(shard_grad);
+    return;
+  }
+  if (offloaded_grad_.defined()) {
+    offloaded_grad_.add_(shard_grad);
+  } else {
+    offloaded_grad_ = shard_grad.to(local_shard_.scalar_type());
+  }
+}
+
+void FlatParam::start_offloaded_grad_copy() {
+  if (!offloaded_grad_.defined()) return;
+  host_grad_ = at::empty(offloaded_grad_.sizes(), offloaded_grad_.options().device(c10::kCPU)).pin_memory();
+  host_grad_.copy_(offloaded_grad_, /*non_blocking=*/true);
+}
+
+void FlatParam::add_offloaded_grad() {
+  if (!host_grad_.defined()) return;
+  offloaded_grad_ = at::Tensor();
+  add_into_grad(std::exchange(host_grad_, at::Tensor()));
+}
+
+void FlatParam::add_into_grad(const at::Tensor& grad_shard) {
+  at::Tensor& grad = local_shard_.mutable_grad();
+  const c10::ScalarType full = local_shard_.scalar_type();
+  if (!grad.defined()) {
+    grad = grad_shard.scalar_type() == full ? grad_shard : grad_shard.to(full);
+  } else {
+    if (grad.scalar_type() != full) grad = grad.to(full);  // a low-precision .grad from an earlier backward
+    grad.add_(grad_shard);
+  }
+  if (grad_dtype_.has_value() && *grad_dtype_ != full) grad = grad.to(*grad_dtype_);
 }
 
 }  // namespace flatshard

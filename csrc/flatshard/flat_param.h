@@ -12,8 +12,29 @@
 // There is no second copy of the parameters: after construction the original
 // tensors can be dropped.
 //
-// With shard factor 1 (NO_SHARD, or one rank) there is nothing to gather: the
-// unsharded buffer is the local shard itself and alloc/free are no-ops.
+// With shard factor 1 (NO_SHARD, or one rank) and no mixed precision or offload
+// there is nothing to gather: the unsharded buffer is the local shard itself
+// and alloc/free are no-ops (has_own_unsharded() is false).
+//
+// [Note: Mixed precision and offload]
+// The local shard keeps the parameters' own dtype (full precision: the
+// optimizer's copy), on the compute device or, with offload, in pinned host
+// memory. Forward and backward see `param_dtype` on the compute device: before
+// an all-gather the shard is cast (and copied to the device) into a buffer that
+// lives until the all-gather completed, so the collective moves param_dtype
+// bytes into a param_dtype unsharded buffer. A unit of shard factor 1 then
+// needs an unsharded buffer of its own as well, filled by that one copy.
+// Gradients accumulate unsharded in param_dtype, as torch's FSDP1 does (several
+// uses of a unit in one backward, or no_sync() micro-batches), are cast to
+// `reduce_dtype` when handed to the reduction and reduced in it (divided before
+// and after the SUM by torch FSDP1's factors: powers of two, so that fp16 sums
+// do not overflow and the scaling is exact), then accumulated into the shard's
+// `.grad` in full precision. With offload the reduced shards accumulate on the
+// device during backward and reach the host `.grad` at its end (one copy and
+// one wait per unit, in finish_grad_sync). With `grad_dtype`
+// (keep_low_precision_grads) `.grad` is cast to it after each accumulation;
+// a low-precision `.grad` left from an earlier backward is cast up first, so
+// accumulation is always in full precision.
 //
 // [Note: Unsharded storage]
 // The unsharded buffer is one tensor created once. Resharding resizes its
@@ -25,9 +46,12 @@
 // never bumped by the refill.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,13 +92,24 @@ struct MemoryCounter {
   static void add(std::int64_t bytes);
 };
 
+// How a unit computes and keeps its shard; see [Note: Mixed precision and offload].
+// Unset fields default to the parameters' own device and dtype.
+struct FlatParamOptions {
+  std::optional<c10::Device> compute_device;   // where forward, backward and collectives run
+  std::optional<c10::ScalarType> param_dtype;   // the unsharded buffer's and the views' dtype
+  std::optional<c10::ScalarType> reduce_dtype;  // the gradient's dtype for its reduction
+  std::optional<c10::ScalarType> grad_dtype;    // `.grad` after each reduction (keep_low_precision_grads)
+  bool offload = false;                         // shard and `.grad` on the host (pinned with a GPU)
+};
+
 class FlatParam {
  public:
   // Flattens `params` (which must match layout's shapes, share one dtype and
   // device) and keeps `rank`'s shard as a fresh tensor. Throws c10::Error
-  // naming the parameter when a shape does not match the layout.
+  // naming the parameter when a shape does not match the layout, or naming
+  // the option when a dtype is not floating point.
   FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank,
-            const std::vector<at::Tensor>& params);
+            const std::vector<at::Tensor>& params, const FlatParamOptions& options = {});
   ~FlatParam();
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
@@ -111,17 +146,45 @@ class FlatParam {
   std::int64_t unsharded_nbytes() const;
   // True when the shard is the whole flat parameter (shard factor 1).
   bool is_replicated() const { return layout_.shard_factor() == 1; }
+  // Whether unsharding fills a buffer of its own: sharded, or the shard's dtype
+  // or device is not the compute one (see [Note: Mixed precision and offload]).
+  bool has_own_unsharded() const { return !is_replicated() || casts_; }
+  const c10::Device& compute_device() const { return compute_device_; }
+  c10::ScalarType param_dtype() const { return param_dtype_; }
+  c10::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  std::optional<c10::ScalarType> grad_dtype() const { return grad_dtype_; }
+  bool offload() const { return offload_; }
 
+  // The all-gather's input, on the current stream: the local shard itself, or
+  // its copy in param_dtype on the compute device, kept until
+  // drop_all_gather_input(). Sharded units only.
+  at::Tensor all_gather_input();
+  void drop_all_gather_input() { all_gather_input_ = at::Tensor(); }
+  // A replicated unit with a buffer of its own: the local shard copied (cast,
+  // moved) into it on the current stream.
+  void copy_shard_into_unsharded();
   // Adds `grads` (one per original parameter, undefined for none) into the
   // unsharded flat gradient, allocating it (zeros where undefined) on first
   // use. Runs on the current stream. See [Note: Gradient accumulation].
   void accumulate_grad(const std::vector<at::Tensor>& grads);
   bool has_unsharded_grad() const { return unsharded_grad_.defined(); }
   const at::Tensor& unsharded_grad() const { return unsharded_grad_; }
-  // Hands the unsharded flat gradient over (to the reduction) and forgets it.
+  // Hands the unsharded flat gradient over (to the reduction), cast to
+  // reduce_dtype on the current stream, and forgets it.
   at::Tensor take_unsharded_grad();
   // Forgets the unsharded flat gradient, if any (a backward that raised).
   void drop_unsharded_grad() { unsharded_grad_ = at::Tensor(); }
+  // A reduced gradient shard (reduce_dtype, compute device, already divided)
+  // into `.grad`, on the current stream; with offload into the device-side
+  // accumulator that finish_offloaded_grad() hands to the host.
+  void accumulate_grad_shard(const at::Tensor& shard_grad);
+  bool has_offloaded_grad() const { return offloaded_grad_.defined(); }
+  // With offload, end of backward: starts the copy of the accumulated shard to
+  // pinned host memory on the current stream; add_offloaded_grad() (after the
+  // caller waited for that stream) adds it into `.grad`.
+  void start_offloaded_grad_copy();
+  void add_offloaded_grad();
+  void drop_offloaded_grad() { offloaded_grad_ = at::Tensor(); host_grad_ = at::Tensor(); }
 
   // Views of the unsharded buffer; the buffer must have storage.
   std::vector<at::Tensor> views() const { return views_of(unsharded_, layout_); }
@@ -151,6 +214,17 @@ class FlatParam {
   std::string reshard_range_;
   std::string all_reduce_range_;
   at::Tensor unsharded_grad_;
+  // See [Note: Mixed precision and offload].
+  void add_into_grad(const at::Tensor& grad_shard);
+  c10::Device compute_device_;
+  c10::ScalarType param_dtype_;
+  c10::ScalarType reduce_dtype_;
+  std::optional<c10::ScalarType> grad_dtype_;
+  bool offload_ = false;  // the shard lives on the host and compute does not
+  bool casts_ = false;    // the shard's dtype or device differs from the compute ones
+  at::Tensor all_gather_input_;
+  at::Tensor offloaded_grad_;  // reduced shards of this backward, on the compute device
+  at::Tensor host_grad_;       // their copy in pinned host memory, in flight
 };
 
 }  // namespace flatshard

@@ -91,7 +91,7 @@ void Scheduler::reap_completed_reductions() {
 void Scheduler::unshard(FlatParam& unit) {
   reap_completed_reductions();
   if (unit.state() != ShardedState::kSharded) return;
-  if (unit.is_replicated()) {
+  if (!unit.has_own_unsharded()) {
     unit.set_state(ShardedState::kUnsharded);
     return;
   }
@@ -104,9 +104,16 @@ void Scheduler::unshard(FlatParam& unit) {
   stream_wait(all_gather_stream_, compute);
   c10::StreamGuard stream_guard(all_gather_stream_);
   unit.alloc_unsharded();
-  at::Tensor output = unit.all_gather_target();
-  at::Tensor input = unit.local_shard().detach();  // the collective must not see autograd
-  auto work = std::make_shared<CommWork>(shard_.all_gather(output, input));
+  std::shared_ptr<CommWork> work;
+  if (unit.is_replicated()) {  // a buffer of its own only for the cast or the copy to the device
+    unit.copy_shard_into_unsharded();
+    work = std::make_shared<CommWork>();  // stream order is all there is to wait for
+  } else {
+    at::Tensor output = unit.all_gather_target();
+    // Cast and copied to the device here, on this stream (see [Note: Mixed precision and offload]).
+    at::Tensor input = unit.all_gather_input();
+    work = std::make_shared<CommWork>(shard_.all_gather(output, input));
+  }
   if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
   all_gathers_[&unit] = std::move(work);
   unit.set_state(ShardedState::kUnsharding);
@@ -126,13 +133,14 @@ void Scheduler::wait_for_unshard(FlatParam& unit) {
     it->second->wait();
   }
   all_gathers_.erase(it);
+  unit.drop_all_gather_input();  // the all-gather stream is done with it (stream order)
   stream_wait(compute, all_gather_stream_);
   unit.set_state(ShardedState::kUnsharded);
 }
 
 void Scheduler::reshard(FlatParam& unit) {
   if (unit.state() == ShardedState::kSharded) return;
-  if (unit.is_replicated()) {
+  if (!unit.has_own_unsharded()) {
     unit.set_state(ShardedState::kSharded);
     return;
   }
@@ -145,6 +153,7 @@ void Scheduler::reshard(FlatParam& unit) {
       it->second->wait();
       all_gathers_.erase(it);
     }
+    unit.drop_all_gather_input();
     stream_wait(current_stream(), all_gather_stream_);
   }
   unit.free_unsharded();
@@ -156,18 +165,19 @@ void Scheduler::reshard(FlatParam& unit) {
   }
 }
 
-void Scheduler::reduce_grad(FlatParam& unit, double divide_factor, bool all_reduce_replicas) {
-  TORCH_CHECK(divide_factor > 0, "flatshard: expected a positive gradient divide factor but got ",
-              divide_factor);
+void Scheduler::reduce_grad(FlatParam& unit, double predivide, double postdivide, bool all_reduce_replicas) {
+  TORCH_CHECK(predivide > 0 && postdivide > 0, "flatshard: expected positive gradient divide factors but got ",
+              predivide, " and ", postdivide);
   TORCH_CHECK(!all_reduce_replicas || replicate_.has_value(), "flatshard: unit '", unit.name(),
               "' asks for a replica all-reduce but the scheduler has no replicate group");
   // See [Note: Reductions in flight].
   while (!reductions_.empty()) complete_shard_reduction();
-  PendingReduction record{&unit, unit.take_unsharded_grad(), at::Tensor(), divide_factor,
+  PendingReduction record{&unit, unit.take_unsharded_grad(), at::Tensor(), postdivide,
                           all_reduce_replicas, CommWork(), CommWork()};
   const c10::Stream compute = current_stream();
   stream_wait(reduce_scatter_stream_, compute);
   c10::StreamGuard stream_guard(reduce_scatter_stream_);
+  if (predivide != 1.0) record.flat_grad.div_(predivide);
   if (unit.is_replicated()) {
     record.grad_shard = record.flat_grad;
     if (shard_.size() > 1) {
@@ -186,14 +196,14 @@ void Scheduler::reduce_grad(FlatParam& unit, double divide_factor, bool all_redu
 }
 
 void Scheduler::post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce,
-                              double divide_factor, bool all_reduce_replicas) {
+                              double predivide, double postdivide, bool all_reduce_replicas) {
   if (reduce) {
     while (!reductions_.empty()) complete_shard_reduction();
     // Every use's backward ran: the parameters go before the flat gradient comes.
     reshard(unit);
   }
   unit.accumulate_grad(grads);
-  if (reduce) reduce_grad(unit, divide_factor, all_reduce_replicas);
+  if (reduce) reduce_grad(unit, predivide, postdivide, all_reduce_replicas);
 }
 
 void Scheduler::complete_shard_reduction() {
@@ -226,22 +236,35 @@ void Scheduler::complete_replica_reduction() {
   c10::StreamGuard stream_guard(all_reduce_stream_);
   record.replica_work.wait();
   at::Tensor& shard_grad = record.grad_shard;
-  if (record.divide_factor != 1.0) shard_grad.div_(record.divide_factor);
-  const at::Tensor& grad = record.unit->local_shard().mutable_grad();
-  if (grad.defined()) {
-    grad.add_(shard_grad);
-  } else {
-    record.unit->local_shard().mutable_grad() = shard_grad;
-  }
+  if (record.postdivide != 1.0) shard_grad.div_(record.postdivide);
+  record.unit->accumulate_grad_shard(shard_grad);
+  if (record.unit->has_offloaded_grad()) offloaded_.insert(record.unit);
   // `.grad` is read, and a dropped shard_grad's memory reused, in compute-stream order.
   stream_wait(current_stream(), all_reduce_stream_);
 }
 
+at::Tensor Scheduler::gather_full_precision(FlatParam& unit) {
+  const at::Tensor& shard = unit.local_shard();
+  at::Tensor input = shard.detach().to(unit.compute_device());
+  if (unit.is_replicated()) return input.data_ptr() == shard.data_ptr() ? input.clone() : input;
+  RECORD_USER_SCOPE(unit.all_gather_range());
+  at::Tensor full = at::empty({unit.layout().padded_numel()}, input.options());
+  CommWork work = shard_.all_gather(full, input);
+  work.wait();
+  return full;
+}
+
 void Scheduler::finish_grad_sync() {
-  if (reductions_.empty() && replica_reductions_.empty()) return;
+  if (reductions_.empty() && replica_reductions_.empty() && offloaded_.empty()) return;
   RECORD_USER_SCOPE("flatshard::finish_grad_sync");
   while (!reductions_.empty()) complete_shard_reduction();
   while (!replica_reductions_.empty()) complete_replica_reduction();
+  if (offloaded_.empty()) return;
+  // See [Note: Mixed precision and offload]: one copy per unit, one wait for all.
+  for (FlatParam* unit : offloaded_) unit->start_offloaded_grad_copy();
+  current_stream().synchronize();
+  for (FlatParam* unit : offloaded_) unit->add_offloaded_grad();
+  offloaded_.clear();
 }
 
 void Scheduler::abort_grad_sync() {
@@ -253,6 +276,8 @@ void Scheduler::abort_grad_sync() {
     queue->clear();
   }
   for (auto& [unit, work] : all_gathers_) work->wait();
+  for (FlatParam* unit : offloaded_) unit->drop_offloaded_grad();
+  offloaded_.clear();
   stream_wait(current_stream(), reduce_scatter_stream_);
   stream_wait(current_stream(), all_reduce_stream_);
 }

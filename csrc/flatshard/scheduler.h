@@ -46,6 +46,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "flatshard/collectives.h"
@@ -86,10 +87,12 @@ class Scheduler {
   // Takes the unit's unsharded flat gradient (FlatParam::accumulate_grad) and
   // issues its reduction: reduce-scatter over the shard group (all-reduce if
   // the unit is replicated), then, with `all_reduce_replicas`, all-reduce of
-  // the shard over the replicate group. SUM, divided by `divide_factor`, is
-  // accumulated into the local shard's `.grad`. See [Note: Reductions in
-  // flight]: first completes the previous reduction, which may block.
-  void reduce_grad(FlatParam& unit, double divide_factor, bool all_reduce_replicas);
+  // the shard over the replicate group. The gradient is divided by
+  // `predivide` before the SUM and by `postdivide` after it (torch FSDP1's
+  // factors, see [Note: Mixed precision and offload]), then accumulated into
+  // the local shard's `.grad`. See [Note: Reductions in flight]: first
+  // completes the previous reduction, which may block.
+  void reduce_grad(FlatParam& unit, double predivide, double postdivide, bool all_reduce_replicas);
   // A unit's post-backward in one call: accumulates `grads` (one per original
   // parameter, undefined for none) into its unsharded flat gradient and, with
   // `reduce` (no use of the unit is left in this backward), issues its
@@ -98,8 +101,15 @@ class Scheduler {
   // those buffers are gone before new ones are allocated. May block on that
   // reduction.
   void post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce,
-                     double divide_factor, bool all_reduce_replicas);
-  // Waits for every pending reduction and writes the gradient shards. Blocks.
+                     double predivide, double postdivide, bool all_reduce_replicas);
+  // The whole flat parameter in the shard's own (full) precision on the
+  // compute device, for summon_full_params and state dicts of units that
+  // compute in another dtype or keep their shard on the host: a fresh tensor,
+  // all-gathered (copied when replicated) on the current stream. Collective
+  // for sharded units; blocks the host until done on the CPU.
+  at::Tensor gather_full_precision(FlatParam& unit);
+  // Waits for every pending reduction and writes the gradient shards (to the
+  // host for offloaded units, waiting for those copies). Blocks.
   void finish_grad_sync();
   // After a backward that raised: waits for every pending reduction (the
   // collectives were issued and must complete) and discards its result.
@@ -116,7 +126,7 @@ class Scheduler {
     FlatParam* unit;
     at::Tensor flat_grad;   // reduction input, held until the reduction completed
     at::Tensor grad_shard;  // reduction output
-    double divide_factor;
+    double postdivide;
     bool all_reduce_replicas;
     CommWork shard_work;    // reduce-scatter (or all-reduce) over the shard group
     CommWork replica_work;  // all-reduce over the replicate group
@@ -149,6 +159,8 @@ class Scheduler {
   std::unordered_map<const FlatParam*, std::shared_ptr<CommWork>> all_gathers_;
   std::deque<PendingReduction> reductions_;          // shard-group stage, at most one
   std::deque<PendingReduction> replica_reductions_;  // replicate-group stage, at most one
+  // Offloaded units whose reduced gradient waits for the end of backward to reach the host.
+  std::unordered_set<FlatParam*> offloaded_;
 };
 
 }  // namespace flatshard

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -71,13 +72,23 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(getattr(obj, f))
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it: through lists, tuples, named tuples,
+    dicts, sets and dataclasses; anything else is returned as it is."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True) if obj.device != device else obj
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_device(x, device) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(x, device) for x in obj)
+        return type(obj)(*(map_tensors(fn, x) for x in obj))
+    if isinstance(obj, (list, tuple, set)):
+        return type(obj)(map_tensors(fn, x) for x in obj)
     if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
+        out = {k: map_tensors(fn, v) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(out)
     return obj
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    return map_tensors(lambda t: t.to(device, non_blocking=True) if t.device != device else t, obj)

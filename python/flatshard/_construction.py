@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _C
+from flatshard import _C, _mixed_precision
 from flatshard._common import FLAT_PARAM, HYBRID, OWNER_ATTR, clean_name, is_unit, join
 from flatshard.api import ShardingStrategy
 
@@ -224,9 +224,15 @@ def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], igno
         if id(p) in meta_originals:  # other units may still hold the meta original
             setattr(meta_originals[id(p)], OWNER_ATTR, (unit._unit_name, fqn))
     layout = _C.FlatParamLayout([list(p.shape) for p in params], unit._shard_factor)
+    dtypes = _mixed_precision.flat_param_dtypes(
+        unit._mixed_precision, params[0].dtype, unit._shard_factor == 1, unit._unit_name
+    )
     with torch.no_grad():
         shard_rank = unit._rank if unit._shard_factor > 1 else 0
-        unit._handle = _C.FlatParam(unit._unit_name, layout, shard_rank, [p.detach() for p in params])
+        unit._handle = _C.FlatParam(
+            unit._unit_name, layout, shard_rank, [p.detach() for p in params],
+            compute_device=unit._device, offload=unit._offload_params, **dtypes,
+        )
     flat = nn.Parameter(unit._handle.local_shard, requires_grad=params[0].requires_grad)
     unit._handle.set_local_shard(flat)
     unit.register_parameter(FLAT_PARAM, flat)
@@ -272,6 +278,8 @@ def lazy_init(root: Any) -> None:
         unit._unit_name = name
         if unit._handle is not None:
             unit._handle.name = name
+        unit._forward_input_dtype = _mixed_precision.forward_input_dtype(unit._mixed_precision, unit is root)
+        _mixed_precision.cast_buffers(unit, list(unit_modules(unit._fsdp_wrapped_module, unit._ignored_modules)))
     root._units = [u for _, u in units]
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard import _C
 from flatshard._common import FLAT_PARAM, fsdp_modules, in_backward, is_unit
 from flatshard._runtime import abort_backward, reshard
 
@@ -61,10 +62,16 @@ def _expose_full_params(unit: Any) -> list[nn.Parameter]:
     handle = unit._handle
     if handle is None:
         return []
-    unit._scheduler.unshard(handle)
-    unit._scheduler.wait_for_unshard(handle)
+    if _computes_as_stored(unit):
+        unit._scheduler.unshard(handle)
+        unit._scheduler.wait_for_unshard(handle)
+        views = handle.views()
+    else:  # full precision, on the compute device (see [Note: Mixed precision and offload])
+        summoned = unit._scheduler.gather_full_precision(handle)
+        unit.__dict__["_summoned_full"] = summoned
+        views = _C.views_of(summoned, handle.layout)
     flat = unit._parameters.pop(FLAT_PARAM)
-    full = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in handle.views()]
+    full = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in views]
     for m, attr, index in unit._param_slots:
         m.__dict__.pop(attr, None)
         m._parameters[attr] = full[index]
@@ -81,15 +88,22 @@ def _hide_full_params(unit: Any, full: list[nn.Parameter], writeback: bool) -> N
     for m, attr, _ in unit._param_slots:
         m._parameters.pop(attr, None)
     unit.register_parameter(FLAT_PARAM, flat)
+    summoned = unit.__dict__.pop("_summoned_full", None)
     if writeback:
         begin, end = handle.layout.shard_range(handle.rank)
         with torch.no_grad():
-            flat.copy_(handle.unsharded[begin:end])
+            flat.copy_((handle.unsharded if summoned is None else summoned)[begin:end])
     # Parameters a caller kept from inside the context must not read freed
     # storage: they become empty (clone inside the context to keep values).
     for p in full:
         p.data = p.data.new_empty(0)
     reshard(unit)
+
+
+def _computes_as_stored(unit: Any) -> bool:
+    """Whether the unsharded buffer holds the shard's own dtype on the shard's own device."""
+    handle = unit._handle
+    return handle.param_dtype == unit._flat_param.dtype and not handle.offload
 
 
 def apply(unit: Any, fn: Callable[[nn.Module], None]) -> Any:
@@ -135,9 +149,11 @@ def clip_grad_norm(root: Any, max_norm: float | int, norm_type: float | int = 2.
         dtype = torch.promote_types(dtype, g.dtype)
 
     def local(gs: list[torch.Tensor]) -> torch.Tensor:
-        if not gs:
+        # On the compute device: the collective needs it there (offloaded gradients are on the host).
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(root._device) for g in gs]
+        if not norms:
             return torch.zeros((), device=root._device)
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in gs])
+        norms = torch.stack(norms)
         return norms.max() if norm_type == math.inf else (norms**norm_type).sum()
 
     shard_part, replicated_part = local(sharded), local(replicated)
@@ -149,5 +165,5 @@ def clip_grad_norm(root: Any, max_norm: float | int, norm_type: float | int = 2.
         total = (shard_part + replicated_part) ** (1.0 / norm_type)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))
     return total.to(dtype)

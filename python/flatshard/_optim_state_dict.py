@@ -223,8 +223,10 @@ def _unflatten_state(entry: _OptimEntry, values: dict[str, Any]) -> dict[str, di
         if per_element(value):
             flat = value.detach()
             if not handle.is_replicated:
-                gathered = flat.new_empty(layout.padded_numel)
-                dist.all_gather_into_tensor(gathered, flat.contiguous(), group=unit._process_group)
+                # On the compute device: an offloaded shard's state is on the host.
+                local = flat.to(unit._device).contiguous()
+                gathered = local.new_empty(layout.padded_numel)
+                dist.all_gather_into_tensor(gathered, local, group=unit._process_group)
                 flat = gathered
             for name, offset, numel, shape in zip(entry.names, layout.offsets, layout.numels, layout.shapes):
                 per_param[name][key] = flat[offset : offset + numel].view(shape).clone()

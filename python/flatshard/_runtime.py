@@ -72,6 +72,7 @@ import torch
 from torch import nn
 
 from flatshard._common import SHARDED, in_backward, logger, tensors_in, to_device
+from flatshard._mixed_precision import cast_floating
 from flatshard.api import BackwardPrefetch
 
 
@@ -177,6 +178,8 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
             root._post_forward_order = []
         if unit._device.type != "cpu":
             args, kwargs = to_device((args, kwargs), unit._device)
+    if unit._forward_input_dtype is not None:  # see flatshard/_mixed_precision.py
+        args, kwargs = cast_floating(unit._forward_input_dtype, (args, kwargs))
     handle = unit._handle
     grad_enabled = torch.is_grad_enabled()
     scheduler = unit._scheduler
@@ -307,7 +310,7 @@ def post_backward(unit: Any, use: Use, grads: tuple[torch.Tensor | None, ...]) -
     # Reduce once no other use still needs the parameters, unless in no_sync().
     reduce = unit._sync_gradients and not has_pending_uses(unit)
     unit._scheduler.post_backward(
-        unit._handle, list(grads), reduce, unit._divide_factor, unit._replicate_group is not None
+        unit._handle, list(grads), reduce, unit._predivide, unit._postdivide, unit._replicate_group is not None
     )
     if not reduce:
         return
@@ -331,7 +334,9 @@ def finish_backward(root: Any) -> None:
             use.finish()  # a later backward through a kept graph is a new reduction
         if handle is not None and unit._sync_gradients and handle.has_unsharded_grad():
             # a use whose post-backward never ran
-            unit._scheduler.reduce_grad(handle, unit._divide_factor, unit._replicate_group is not None)
+            unit._scheduler.reduce_grad(
+                handle, unit._predivide, unit._postdivide, unit._replicate_group is not None
+            )
     root._scheduler.finish_grad_sync()
     for unit in root._units:
         if unit._handle is not None and unit._sync_gradients:

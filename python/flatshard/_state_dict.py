@@ -23,6 +23,7 @@ from torch import nn
 
 from flatshard._common import clean_name, fsdp_modules
 from flatshard._full_params import summon_full_params
+from flatshard._mixed_precision import original_buffer_dtypes
 from flatshard.api import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings, StateDictType
 
 
@@ -38,13 +39,15 @@ def state_dict(unit: Any, args: tuple, destination: Any, prefix: str, keep_vars:
     config = unit._state_dict_config
     out = destination if destination is not None else collections.OrderedDict()
     keep = not config.rank0_only or dist.get_rank() == 0
+    buffer_dtypes = original_buffer_dtypes(unit)  # saved as they were before buffer_dtype
     with summon_full_params(unit, writeback=False):
-        full = nn.Module.state_dict(unit, prefix=prefix, keep_vars=keep_vars)
+        full = nn.Module.state_dict(unit, prefix=prefix, keep_vars=True)
         if keep:
             for name, value in full.items():
                 if isinstance(value, torch.Tensor):
+                    dtype = buffer_dtypes.get(id(value), value.dtype)
                     # Plain tensors, cloned: the summoned storage is freed on exit.
-                    value = value.detach().clone()
+                    value = value.detach().clone().to(dtype)
                     if config.offload_to_cpu:
                         value = value.cpu()
                 out[clean_name(name)] = value

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _construction, _full_params, _optim_state_dict, _runtime, _state_dict
+from flatshard import _construction, _full_params, _mixed_precision, _optim_state_dict, _runtime, _state_dict
 from flatshard._common import FLAT_PARAM, RESHARD_AFTER_FORWARD, WRAPPED, clean_name, fsdp_modules, join
 from flatshard.api import (
     BackwardPrefetch,
@@ -42,8 +42,6 @@ __all__ = ["FullyShardedDataParallel"]
 # Torch's FSDP constructor arguments flatshard does not implement yet, with the
 # value that means "not used". A non-default value raises NotImplementedError.
 _NOT_YET = {
-    "cpu_offload": (None, CPUOffload(offload_params=False)),
-    "mixed_precision": (None, MixedPrecision()),
     "use_orig_params": (False,),
     "ignored_states": (None,),
 }
@@ -57,8 +55,10 @@ class FullyShardedDataParallel(nn.Module):
     ``sharding_strategy`` (all five), ``auto_wrap_policy`` (ours or torch's),
     ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``,
     ``ignored_modules``, ``param_init_fn``, ``device_id``,
-    ``sync_module_states`` and ``device_mesh``. Any other argument with a
-    non-default value raises ``NotImplementedError`` naming it.
+    ``sync_module_states``, ``device_mesh``, ``mixed_precision`` (torch's
+    ``MixedPrecision``, every field) and ``cpu_offload`` (torch's
+    ``CPUOffload``). Any other argument with a non-default value raises
+    ``NotImplementedError`` naming it.
 
     A unit with tensors on the meta device is materialized when it is wrapped,
     one unit at a time: by ``param_init_fn``, called on each of the unit's
@@ -82,7 +82,7 @@ class FullyShardedDataParallel(nn.Module):
         cpu_offload: CPUOffload | None = None,
         auto_wrap_policy: Callable | Any | None = None,
         backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-        mixed_precision: Any | None = None,
+        mixed_precision: MixedPrecision | None = None,
         ignored_modules: Iterable[nn.Module] | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         device_id: int | torch.device | None = None,
@@ -97,8 +97,6 @@ class FullyShardedDataParallel(nn.Module):
     ):
         super().__init__()
         given = dict(
-            cpu_offload=cpu_offload,
-            mixed_precision=mixed_precision,
             use_orig_params=use_orig_params,
             ignored_states=ignored_states,
         )
@@ -142,8 +140,10 @@ class FullyShardedDataParallel(nn.Module):
         self._rank = dist.get_rank(shard_group)
         self._world_size = dist.get_world_size(shard_group)
         replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-        # Gradients are averaged over every data-parallel rank (SUM, then divide).
-        self._divide_factor = float(self._world_size * replicas)
+        # Gradients are averaged over every data-parallel rank: divided before and after the SUM.
+        self._predivide, self._postdivide = _mixed_precision.gradient_divide_factors(self._world_size * replicas)
+        self._mixed_precision = _mixed_precision.check_mixed_precision(mixed_precision)
+        self._offload_params = _mixed_precision.check_cpu_offload(cpu_offload)
         self._shard_factor = 1 if strategy == ShardingStrategy.NO_SHARD else self._world_size
         self._sharding_strategy = strategy
         self._reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
@@ -157,6 +157,7 @@ class FullyShardedDataParallel(nn.Module):
         self._unit_name = _unit_name
 
         ignored = _construction.expand_ignored(ignored_modules, module)
+        self._ignored_modules = ignored
         ignored_params = {p for m in ignored for p in m.parameters(recurse=False)}
 
         if auto_wrap_policy is not None:
@@ -171,6 +172,8 @@ class FullyShardedDataParallel(nn.Module):
                 limit_all_gathers=limit_all_gathers,
                 param_init_fn=param_init_fn,
                 sync_module_states=sync_module_states,
+                mixed_precision=self._mixed_precision,
+                cpu_offload=cpu_offload,
             )
             names = {m: name for name, m in module.named_modules()}
             plan = _plan_wraps(
@@ -179,6 +182,7 @@ class FullyShardedDataParallel(nn.Module):
                 ignored,
                 ignored_params,
                 lambda m: isinstance(m, FullyShardedDataParallel),
+                _mixed_precision.individually_wrapped(self._mixed_precision, module),
             )
             parents = _construction.parent_slots(module)
             for target, overrides in plan:
@@ -197,6 +201,8 @@ class FullyShardedDataParallel(nn.Module):
         self._scheduler: Any = None
         self._units: list[FullyShardedDataParallel] = []
         self._in_summon = False
+        self._forward_input_dtype: torch.dtype | None = None  # set at lazy init (see _mixed_precision)
+        self._buffer_orig_dtypes: dict = {}
         self._state_dict_config = FullStateDictConfig()
         self._optim_state_dict_config = FullOptimStateDictConfig()
         _state_dict.register_load_hooks(self)

@@ -99,12 +99,20 @@ def _plan_wraps(
     ignored_modules: set[nn.Module],
     ignored_params: set[nn.Parameter],
     is_unit: Callable[[nn.Module], bool],
+    individually: tuple[type[nn.Module], ...] = (),
 ) -> list[tuple[nn.Module, dict[str, Any]]]:
     """The modules below ``root`` to wrap, innermost first, with their argument overrides.
 
     ``root`` itself is never in the plan (the caller wraps it). Subtrees of
     ignored modules and of existing units (``is_unit``) are not entered.
+    Modules of the ``individually`` classes are wrapped too, without mixed
+    precision (``mixed_precision._module_classes_to_ignore``, as torch's FSDP1:
+    with them the callable protocol also recurses everywhere).
     """
+    no_mp = {"mixed_precision": None}
+
+    def alone(module: nn.Module) -> bool:
+        return bool(individually) and isinstance(module, individually)
 
     def children(module: nn.Module):
         return [c for c in module.children() if c not in ignored_modules and not is_unit(c)]
@@ -116,7 +124,8 @@ def _plan_wraps(
 
     if isinstance(policy, (ModuleWrapPolicy, _torch_wrap.ModuleWrapPolicy)):
         classes = tuple(policy._module_classes)
-        return [(m, {}) for m in post_order(root) if m is not root and isinstance(m, classes)]
+        return [(m, dict(no_mp) if alone(m) else {}) for m in post_order(root)
+                if m is not root and (isinstance(m, classes) or alone(m))]
     if isinstance(policy, (CustomPolicy, _torch_wrap.CustomPolicy)):
         plan = []
         for m in post_order(root):
@@ -124,9 +133,9 @@ def _plan_wraps(
                 continue
             result = policy._lambda_fn(m)
             if isinstance(result, dict):
-                plan.append((m, dict(result)))
-            elif result:
-                plan.append((m, {}))
+                plan.append((m, {**result, **no_mp} if alone(m) else dict(result)))
+            elif result or alone(m):
+                plan.append((m, dict(no_mp) if alone(m) else {}))
         return plan
     if not callable(policy):
         raise ValueError(
@@ -141,11 +150,11 @@ def _plan_wraps(
 
     def visit(module: nn.Module, is_root: bool) -> int:
         numel = sum(p.numel() for p in module.parameters() if p not in ignored_params)
-        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+        if not individually and not policy(module=module, recurse=True, nonwrapped_numel=numel):
             return 0
         wrapped = sum(visit(child, False) for child in children(module))
-        if not is_root and policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped):
-            plan.append((module, {}))
+        if not is_root and (alone(module) or policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped)):
+            plan.append((module, dict(no_mp) if alone(module) else {}))
             return numel
         return wrapped
 

@@ -166,7 +166,7 @@ TEST(Scheduler, ReduceGradAveragesAccumulatesAndWritesGradShard) {
     // second parameter's gradient is missing (zeros) in the first use.
     unit.accumulate_grad({at::full({3, 2}, r), at::Tensor()});
     unit.accumulate_grad({at::full({3, 2}, r), at::full({5}, r)});
-    scheduler.reduce_grad(unit, /*divide_factor=*/2.0, /*all_reduce_replicas=*/false);
+    scheduler.reduce_grad(unit, /*predivide=*/2.0, /*postdivide=*/1.0, /*all_reduce_replicas=*/false);
     EXPECT_FALSE(unit.has_unsharded_grad());
     EXPECT_EQ(scheduler.pending_reductions(), 1);
     scheduler.finish_grad_sync();
@@ -178,7 +178,7 @@ TEST(Scheduler, ReduceGradAveragesAccumulatesAndWritesGradShard) {
     EXPECT_TRUE(at::allclose(grad, expected.narrow(0, rank * 6, 6)));
     // A second reduction accumulates into .grad (accumulation with communication).
     unit.accumulate_grad({at::full({3, 2}, r), at::full({5}, r)});
-    scheduler.reduce_grad(unit, 2.0, false);
+    scheduler.reduce_grad(unit, 2.0, 1.0, false);
     scheduler.finish_grad_sync();
     scheduler.finish_grad_sync();  // nothing pending: a no-op
     at::Tensor twice = expected + at::cat({at::full({11}, 1.5f), at::zeros({1})});
@@ -200,7 +200,7 @@ TEST(Scheduler, ReplicatedUnitNeedsNoAllGatherAndAllReducesGradients) {
     unit.local_shard().add_(1);
     EXPECT_TRUE(at::equal(unit.views()[1], params()[1] + 1));
     unit.accumulate_grad({at::full({3, 2}, static_cast<float>(rank)), at::full({5}, 4.0f)});
-    scheduler.reduce_grad(unit, 2.0, false);
+    scheduler.reduce_grad(unit, 2.0, 1.0, false);
     scheduler.finish_grad_sync();
     at::Tensor expected = at::cat({at::full({6}, 0.5f), at::full({5}, 4.0f)});
     EXPECT_TRUE(at::allclose(unit.local_shard().grad(), expected));
