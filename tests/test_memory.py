@@ -1,4 +1,5 @@
-"""Between steps each rank holds only its shards, and no unsharded buffer is alive."""
+"""Between steps each rank holds only its shards, and no unsharded buffer is alive
+(also with bf16 mixed precision, whose placeholders are made from a buffer of their own)."""
 
 import pytest
 import torch
@@ -8,13 +9,16 @@ from _dist import run_distributed, world_sizes
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 
-def _memory_between_steps(rank: int, world_size: int) -> dict:
+def _memory_between_steps(rank: int, world_size: int, mixed: bool) -> dict:
+    from torch.distributed.fsdp import MixedPrecision
+
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import _C
 
     reference = make_gpt()
     total = sum(p.numel() for p in reference.parameters())  # tied weight counted once
-    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if mixed else None)
     units = [u for u in FSDP.fsdp_modules(model) if u._handle is not None]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     batch = local_slice(make_batch(), rank, world_size)
@@ -31,8 +35,11 @@ def _memory_between_steps(rank: int, world_size: int) -> dict:
         assert _C.unsharded_bytes() == 0
         for u in units:
             assert not u._handle.has_unsharded_storage()
-            if world_size > 1:  # at W=1 the shard is the whole parameter: no buffer exists
+            if world_size > 1 or mixed:  # at W=1 in fp32 the shard is the whole parameter: no buffer exists
                 assert u._handle.unsharded.untyped_storage().nbytes() == 0
+            if world_size > 1:  # nor does what the placeholders are views of (their base) hold memory
+                for v in u._handle.placeholder_views:
+                    assert v._base is None or v._base.untyped_storage().nbytes() == 0
         for name, p in model.named_parameters():
             assert name.endswith("_flat_param"), name
 
@@ -57,12 +64,15 @@ def _memory_between_steps(rank: int, world_size: int) -> dict:
     largest = max(u._handle.unsharded_nbytes for u in units)
     if world_size > 1:
         assert 0 < _C.peak_unsharded_bytes() <= 3 * largest
+    elif mixed:  # one rank: every unit's bf16 copy lives from its forward to its backward (torch FSDP1 too)
+        assert 0 < _C.peak_unsharded_bytes() <= sum(u._handle.unsharded_nbytes for u in units)
     else:
         assert _C.peak_unsharded_bytes() == 0
     return {"held": held, "total": total}
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("world_size", world_sizes())
-def test_only_shards_alive_between_steps(world_size):
-    results = run_distributed(_memory_between_steps, world_size)
+def test_only_shards_alive_between_steps(world_size, mixed):
+    results = run_distributed(_memory_between_steps, world_size, mixed)
     assert len({r["held"] for r in results}) == 1

@@ -135,7 +135,10 @@ FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank
       placeholder_views_ = views_of(local_shard_.detach(), layout_);  // real values: see set_name
     } else if (casts_) {
       // Between iterations the modules see the parameters' own dtype (see [Note: Placeholders]).
-      placeholder_views_ = views_of(at::empty({layout_.padded_numel()}, options.device(compute_device_)), layout_);
+      // The views keep their base alive: its storage goes too, not only theirs.
+      const at::Tensor base = at::empty({layout_.padded_numel()}, options.device(compute_device_));
+      placeholder_views_ = views_of(base, layout_);
+      resize_storage(base.storage().unsafeGetStorageImpl(), 0);
     } else {
       placeholder_views_ = views_of(unsharded_, layout_);
     }
