@@ -390,3 +390,53 @@ def test_module_classes_to_ignore_wraps_batch_norm_in_fp32():
     assert got["bn_is_unit"] == "FullyShardedDataParallel" and got["units"] == 4, got
     assert got["seen"] == {"inp": "torch.float32", "weight": "torch.float32"}, got
     assert got["out"] == "torch.bfloat16", got
+
+
+def _init_paths(rank, world_size) -> dict:
+    """bf16 training after sync_module_states (rank 1 starts from garbage) and after a
+    meta-device build with param_init_fn, against the plain build: same losses."""
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    mp = MixedPrecision(param_dtype=torch.bfloat16)
+    local = local_slice(make_batch(batch=GLOBAL_BATCH), rank, world_size)
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        out = []
+        for _ in range(3):
+            loss = gpt_loss(model, *local).float()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(float(loss))
+        return out
+
+    plain = train(FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=mp))
+    garbage = make_gpt()
+    if rank != 0:
+        with torch.no_grad():
+            for p in garbage.parameters():
+                p.fill_(7.0)
+    synced = train(FSDP(garbage, auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=mp,
+                        sync_module_states=True))
+    reference = make_gpt()
+    with torch.device("meta"):
+        meta = make_gpt()
+
+    def init(module):  # copies the reference's values: the same start as `plain`
+        module.to_empty(device="cpu", recurse=False)
+        source = dict(reference.named_modules())[next(n for n, m in meta.named_modules() if m is module)]
+        with torch.no_grad():
+            for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                t.copy_(getattr(source, name))
+        if module is meta.head:  # re-tie, as with torch (called breadth-first: after embed)
+            module.weight = meta.embed.weight
+
+    from_meta = train(FSDP(meta, auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=mp, param_init_fn=init))
+    return {"plain": plain, "synced": synced, "from_meta": from_meta}
+
+
+def test_sync_module_states_and_param_init_fn_with_mixed_precision():
+    for rank, got in enumerate(run_distributed(_init_paths, 2)):
+        assert got["synced"] == got["plain"], f"rank {rank}: {got}"
+        assert got["from_meta"] == got["plain"], f"rank {rank}: {got}"
