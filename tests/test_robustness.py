@@ -57,9 +57,14 @@ def _activation_checkpointing(rank, world_size, impl, placement, reentrant):
         check_fn=lambda m: isinstance(m, Block),
     )
     wrapper_cls = type(model.blocks[0])
-    # "inside": each unit is FSDP(CheckpointWrapper(Block)); "around": CheckpointWrapper(FSDP(Block)).
-    policy = ModuleWrapPolicy({wrapper_cls} if placement == "inside" else {Block})
+    # "inside": each unit is FSDP(CheckpointWrapper(Block)); "around": CheckpointWrapper(FSDP(Block));
+    # "root": the root unit's whole forward under torch.utils.checkpoint.checkpoint (and the blocks inside).
+    policy = ModuleWrapPolicy({wrapper_cls} if placement != "around" else {Block})
     model = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    if placement == "root":
+        loss_of = functools.partial(_checkpointed_root_loss, reentrant=reentrant)
+    else:
+        loss_of = gpt_loss
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     batch = local_slice(make_batch(), rank, world_size)
     peak = 0
@@ -68,7 +73,7 @@ def _activation_checkpointing(rank, world_size, impl, placement, reentrant):
             from flatshard import _C
 
             _C.reset_peak_unsharded_bytes()
-        gpt_loss(model, *batch).backward()
+        loss_of(model, *batch).backward()
         if impl == "flatshard":
             peak = max(peak, _C.peak_unsharded_bytes())
             assert _C.unsharded_bytes() == 0
@@ -83,8 +88,15 @@ def _activation_checkpointing(rank, world_size, impl, placement, reentrant):
         assert peak <= 3 * largest, f"peak unsharded {peak} B > 3 x largest unit {largest} B"
 
 
+def _checkpointed_root_loss(model, tokens, targets, reentrant):
+    # Reentrant checkpointing needs an input that requires grad (the tokens do not): the usual dummy.
+    dummy = torch.ones((), requires_grad=True)
+    logits = torch.utils.checkpoint.checkpoint(lambda t, _: model(t), tokens, dummy, use_reentrant=reentrant)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 @pytest.mark.parametrize("impl", ["flatshard", "torch"])
-@pytest.mark.parametrize("placement", ["inside", "around"])
+@pytest.mark.parametrize("placement", ["inside", "around", "root"])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing(impl, placement, reentrant):
     run_distributed(_activation_checkpointing, 2, impl, placement, reentrant)

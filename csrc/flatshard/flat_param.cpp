@@ -106,9 +106,9 @@ FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank
   param_dtype_ = opts.param_dtype.value_or(options.dtype().toScalarType());
   reduce_dtype_ = opts.reduce_dtype.value_or(options.dtype().toScalarType());
   grad_dtype_ = opts.grad_dtype;
-  for (const auto& [what, dtype] : {std::pair{"param_dtype", param_dtype_}, std::pair{"reduce_dtype", reduce_dtype_}}) {
-    TORCH_CHECK(c10::isFloatingType(dtype), "flatshard: unit '", name_, "': expected a floating-point ", what,
-                " but got ", dtype);
+  for (const auto& [what, dtype] : {std::pair{"param_dtype", opts.param_dtype}, std::pair{"reduce_dtype", opts.reduce_dtype}}) {
+    TORCH_CHECK(!dtype.has_value() || c10::isFloatingType(*dtype), "flatshard: unit '", name_,
+                "': expected a floating-point ", what, " but got ", *dtype);
   }
   // On a CPU-only run the host is the compute device: offloading moves nothing.
   offload_ = opts.offload && compute_device_.type() != c10::DeviceType::CPU;
@@ -247,23 +247,17 @@ void FlatParam::accumulate_grad_shard(const at::Tensor& shard_grad) {
     add_into_grad(shard_grad);
     return;
   }
-  if (offloaded_grad_.defined()) {
-    offloaded_grad_.add_(shard_grad);
-  } else {
-    offloaded_grad_ = shard_grad.to(local_shard_.scalar_type());
-  }
+  // On its way to the host at once, on the current (reduction) stream: the device
+  // copy goes as soon as that stream is past it. Added into `.grad` in add_offloaded_grads().
+  const at::Tensor full = shard_grad.to(local_shard_.scalar_type());
+  at::Tensor host = at::empty(full.sizes(), full.options().device(c10::kCPU).pinned_memory(true));
+  host.copy_(full, /*non_blocking=*/true);
+  host_grads_.push_back(std::move(host));
 }
 
-void FlatParam::start_offloaded_grad_copy() {
-  if (!offloaded_grad_.defined()) return;
-  host_grad_ = at::empty(offloaded_grad_.sizes(), offloaded_grad_.options().device(c10::kCPU)).pin_memory();
-  host_grad_.copy_(offloaded_grad_, /*non_blocking=*/true);
-}
-
-void FlatParam::add_offloaded_grad() {
-  if (!host_grad_.defined()) return;
-  offloaded_grad_ = at::Tensor();
-  add_into_grad(std::exchange(host_grad_, at::Tensor()));
+void FlatParam::add_offloaded_grads() {
+  for (at::Tensor& host : host_grads_) add_into_grad(host);
+  host_grads_.clear();
 }
 
 void FlatParam::add_into_grad(const at::Tensor& grad_shard) {

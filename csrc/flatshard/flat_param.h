@@ -27,11 +27,12 @@
 // Gradients accumulate unsharded in param_dtype, as torch's FSDP1 does (several
 // uses of a unit in one backward, or no_sync() micro-batches), are cast to
 // `reduce_dtype` when handed to the reduction and reduced in it (divided before
-// and after the SUM by torch FSDP1's factors: powers of two, so that fp16 sums
-// do not overflow and the scaling is exact), then accumulated into the shard's
-// `.grad` in full precision. With offload the reduced shards accumulate on the
-// device during backward and reach the host `.grad` at its end (one copy and
-// one wait per unit, in finish_grad_sync). With `grad_dtype`
+// and after the SUM by torch FSDP1's factors, so that fp16 sums neither
+// overflow nor underflow; for a power-of-two world size the scaling is exact), then accumulated into the shard's
+// `.grad` in full precision. With offload each reduced shard is copied to
+// pinned host memory as soon as its reduction completed (the device copy goes
+// then) and added into the host `.grad` at the end of backward, after one wait
+// for all of them (finish_grad_sync). With `grad_dtype`
 // (keep_low_precision_grads) `.grad` is cast to it after each accumulation;
 // a low-precision `.grad` left from an earlier backward is cast up first, so
 // accumulation is always in full precision.
@@ -175,16 +176,13 @@ class FlatParam {
   // Forgets the unsharded flat gradient, if any (a backward that raised).
   void drop_unsharded_grad() { unsharded_grad_ = at::Tensor(); }
   // A reduced gradient shard (reduce_dtype, compute device, already divided)
-  // into `.grad`, on the current stream; with offload into the device-side
-  // accumulator that finish_offloaded_grad() hands to the host.
+  // into `.grad`, on the current stream; with offload, copied (non-blocking)
+  // into pinned host memory instead, and added by add_offloaded_grads() once
+  // the caller waited for the current stream.
   void accumulate_grad_shard(const at::Tensor& shard_grad);
-  bool has_offloaded_grad() const { return offloaded_grad_.defined(); }
-  // With offload, end of backward: starts the copy of the accumulated shard to
-  // pinned host memory on the current stream; add_offloaded_grad() (after the
-  // caller waited for that stream) adds it into `.grad`.
-  void start_offloaded_grad_copy();
-  void add_offloaded_grad();
-  void drop_offloaded_grad() { offloaded_grad_ = at::Tensor(); host_grad_ = at::Tensor(); }
+  bool has_offloaded_grads() const { return !host_grads_.empty(); }
+  void add_offloaded_grads();
+  void drop_offloaded_grads() { host_grads_.clear(); }
 
   // Views of the unsharded buffer; the buffer must have storage.
   std::vector<at::Tensor> views() const { return views_of(unsharded_, layout_); }
@@ -223,8 +221,7 @@ class FlatParam {
   bool offload_ = false;  // the shard lives on the host and compute does not
   bool casts_ = false;    // the shard's dtype or device differs from the compute ones
   at::Tensor all_gather_input_;
-  at::Tensor offloaded_grad_;  // reduced shards of this backward, on the compute device
-  at::Tensor host_grad_;       // their copy in pinned host memory, in flight
+  std::vector<at::Tensor> host_grads_;  // reduced shards on their way to the host (offload)
 };
 
 }  // namespace flatshard

@@ -238,7 +238,7 @@ void Scheduler::complete_replica_reduction() {
   at::Tensor& shard_grad = record.grad_shard;
   if (record.postdivide != 1.0) shard_grad.div_(record.postdivide);
   record.unit->accumulate_grad_shard(shard_grad);
-  if (record.unit->has_offloaded_grad()) offloaded_.insert(record.unit);
+  if (record.unit->has_offloaded_grads()) offloaded_.insert(record.unit);
   // `.grad` is read, and a dropped shard_grad's memory reused, in compute-stream order.
   stream_wait(current_stream(), all_reduce_stream_);
 }
@@ -260,10 +260,10 @@ void Scheduler::finish_grad_sync() {
   while (!reductions_.empty()) complete_shard_reduction();
   while (!replica_reductions_.empty()) complete_replica_reduction();
   if (offloaded_.empty()) return;
-  // See [Note: Mixed precision and offload]: one copy per unit, one wait for all.
-  for (FlatParam* unit : offloaded_) unit->start_offloaded_grad_copy();
+  // See [Note: Mixed precision and offload]: the copies were issued on the
+  // all-reduce stream, which the current stream waited for; one wait for all.
   current_stream().synchronize();
-  for (FlatParam* unit : offloaded_) unit->add_offloaded_grad();
+  for (FlatParam* unit : offloaded_) unit->add_offloaded_grads();
   offloaded_.clear();
 }
 
@@ -276,7 +276,7 @@ void Scheduler::abort_grad_sync() {
     queue->clear();
   }
   for (auto& [unit, work] : all_gathers_) work->wait();
-  for (FlatParam* unit : offloaded_) unit->drop_offloaded_grad();
+  for (FlatParam* unit : offloaded_) unit->drop_offloaded_grads();
   offloaded_.clear();
   stream_wait(current_stream(), reduce_scatter_stream_);
   stream_wait(current_stream(), all_reduce_stream_);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Any, Callable, Iterator
@@ -84,9 +85,13 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
         return type(obj)(*(map_tensors(fn, x) for x in obj))
     if isinstance(obj, (list, tuple, set)):
         return type(obj)(map_tensors(fn, x) for x in obj)
-    if isinstance(obj, dict):
-        out = {k: map_tensors(fn, v) for k, v in obj.items()}
-        return out if type(obj) is dict else type(obj)(out)
+    if isinstance(obj, collections.OrderedDict):
+        out = type(obj)()
+        for k, v in obj.items():
+            out[k] = map_tensors(fn, v)
+        return out
+    if isinstance(obj, dict):  # other mappings come back as plain dicts, as torch's FSDP returns them
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
     return obj
 
 

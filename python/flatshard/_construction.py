@@ -225,7 +225,7 @@ def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], igno
             setattr(meta_originals[id(p)], OWNER_ATTR, (unit._unit_name, fqn))
     layout = _C.FlatParamLayout([list(p.shape) for p in params], unit._shard_factor)
     dtypes = _mixed_precision.flat_param_dtypes(
-        unit._mixed_precision, params[0].dtype, unit._shard_factor == 1, unit._unit_name
+        unit._mixed_precision, params[0].dtype, unit._shard_factor == 1, unit._offload_params, unit._unit_name
     )
     with torch.no_grad():
         shard_rank = unit._rank if unit._shard_factor > 1 else 0

@@ -67,12 +67,14 @@ def check_cpu_offload(cpu_offload: Any) -> bool:
 
 
 def flat_param_dtypes(
-    mixed_precision: MixedPrecision | None, orig: torch.dtype, replicated: bool, unit_name: str
+    mixed_precision: MixedPrecision | None, orig: torch.dtype, replicated: bool, offload: bool, unit_name: str
 ) -> dict[str, torch.dtype | None]:
-    """``param_dtype``, ``reduce_dtype`` and ``grad_dtype`` for ``_C.FlatParam`` (None: the parameters' own)."""
-    if mixed_precision is None:
-        return {"param_dtype": None, "reduce_dtype": None, "grad_dtype": None}
-    if (mixed_precision.param_dtype or mixed_precision.reduce_dtype) and not orig.is_floating_point:
+    """``param_dtype``, ``reduce_dtype`` and ``grad_dtype`` for ``_C.FlatParam``: each only where it
+    differs from the parameters' own dtype (None: theirs)."""
+    none = {"param_dtype": None, "reduce_dtype": None, "grad_dtype": None}
+    if mixed_precision is None or not (mixed_precision.param_dtype or mixed_precision.reduce_dtype):
+        return none
+    if not orig.is_floating_point:
         raise ValueError(
             f"FullyShardedDataParallel: unit '{unit_name or '<root>'}' has {orig} parameters, which "
             f"mixed_precision cannot cast. Put the modules holding them in ignored_modules, or wrap them in a "
@@ -82,17 +84,19 @@ def flat_param_dtypes(
     reduce = mixed_precision.reduce_dtype or mixed_precision.param_dtype or orig
     grad = None
     if mixed_precision.keep_low_precision_grads:
-        low = reduce if replicated else param
+        # As torch: a NO_SHARD unit keeps its reduced gradient as it is (its dtype), others param_dtype.
+        low = reduce if replicated and not offload else param
         grad = low if low != orig else None
-    return {"param_dtype": param, "reduce_dtype": reduce, "grad_dtype": grad}
+    return {"param_dtype": param if param != orig else None, "reduce_dtype": reduce if reduce != orig else None,
+            "grad_dtype": grad}
 
 
 def gradient_divide_factors(data_parallel_world_size: int) -> tuple[float, float]:
     """(before, after) the SUM: torch FSDP1's split of the average's division.
 
-    The largest power of two at most sqrt(W) before, the rest after, so that a
-    low-precision SUM neither overflows nor underflows (and, for W a power of
-    two, every division is exact).
+    Before: the smallest power of two f with f * f >= W that divides W (at most
+    W), after: W / f; so that a low-precision SUM neither overflows nor
+    underflows. For W a power of two every division is exact.
     """
     factor = 1
     while data_parallel_world_size % factor == 0 and data_parallel_world_size / factor > factor:
@@ -128,7 +132,8 @@ def cast_buffers(unit: Any, unit_modules: list[tuple[str, nn.Module]]) -> None:
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_floating_point() and b.dtype != mp.buffer_dtype:
                 unit._buffer_orig_dtypes.setdefault((m, name), b.dtype)
-                m._buffers[name] = b.to(mp.buffer_dtype)
+                # In place, as torch: a buffer shared by several modules stays one tensor.
+                b.data = b.data.to(mp.buffer_dtype)
 
 
 def original_buffer_dtypes(root: nn.Module) -> dict[int, torch.dtype]:
@@ -142,19 +147,21 @@ def original_buffer_dtypes(root: nn.Module) -> dict[int, torch.dtype]:
     return out
 
 
-def individually_wrapped(mixed_precision: MixedPrecision | None, root: nn.Module) -> tuple[type, ...]:
-    """Classes that auto-wrap makes units of their own without mixed precision (see the module note);
-    registers their float32 casts and warns, as torch does."""
+def individually_wrapped(mixed_precision: MixedPrecision | None) -> tuple[type, ...]:
+    """Classes that auto-wrap makes units of their own without mixed precision (see the module note)."""
     if mixed_precision is None:
         return ()
-    classes = tuple(set(mixed_precision._module_classes_to_ignore))
-    if not classes:
-        return ()
+    return tuple(set(mixed_precision._module_classes_to_ignore))
+
+
+def run_in_fp32(modules: list[nn.Module]) -> None:
+    """The modules auto-wrap made fp32 units of (see ``individually_wrapped``): their inputs are cast
+    to float32 and outputs back; warns, as torch does."""
     found = set()
-    for m in root.modules():
-        if isinstance(m, classes) and not getattr(m, "_flatshard_fp32_hooks", False):
-            found.add(type(m))
+    for m in modules:
+        if not getattr(m, "_flatshard_fp32_hooks", False):
             _register_fp32_casts(m)
+        found.add(type(m))
     if found:
         warnings.warn(
             f"FullyShardedDataParallel: both mixed_precision and an auto_wrap_policy were given: modules of "
@@ -162,7 +169,6 @@ def individually_wrapped(mixed_precision: MixedPrecision | None, root: nn.Module
             f"units of their own that run in float32, as torch's FSDP does.",
             stacklevel=4,
         )
-    return classes
 
 
 def _register_fp32_casts(module: nn.Module) -> None:

@@ -247,10 +247,48 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
 
 def recompute(unit: Any, args: tuple, kwargs: dict) -> Any:
     """forward() during backward: activation checkpointing reruns this unit (see [Note: Recomputation])."""
-    if unit._handle is not None:
-        unit._scheduler.wait_for_unshard(unit._handle)
+    root = unit._root
+    # Checkpointing around the root: its first forward ran without grad (and ended the
+    # iteration), so no pre-backward queued the end of this backward.
+    queue_end_of_backward(root)
+    if unit._is_root and unit._device.type != "cpu":  # as in its first forward
+        args, kwargs = to_device((args, kwargs), unit._device)
+    if unit._forward_input_dtype is not None:
+        args, kwargs = cast_floating(unit._forward_input_dtype, (args, kwargs))
+    handle = unit._handle
+    if handle is not None:
+        unit._scheduler.wait_for_unshard(handle)
         hand_out_views(unit)
-    return unit._fsdp_wrapped_module(*args, **kwargs)
+    if unit._is_root:  # the whole model reruns at once
+        root.__dict__["_recompute_order"] = []
+        root.__dict__["_recomputing"] = True
+        try:
+            return unit._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            root.__dict__["_recomputing"] = False
+    output = unit._fsdp_wrapped_module(*args, **kwargs)
+    if (
+        root.__dict__.get("_recomputing")
+        and handle is not None
+        and unit._reshard_after_forward
+        and unit._sync_gradients
+        and not handle.is_replicated
+    ):
+        # Rerunning the whole model must not hold every unit unsharded at once: reshard as
+        # the first forward did. Before any of this unit's backward runs, its pre-backward
+        # gathers it again, through the hook of its first forward (non-reentrant
+        # checkpointing backpropagates the first graph) or this one (reentrant: this graph).
+        order = root._recompute_order
+        index = len(order)
+        order.append(unit)
+        hook = functools.partial(pre_backward, unit, order, index)
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if len(tensors) == 1:
+            tensors[0].register_hook(hook)
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+        reshard(unit)
+    return output
 
 
 def hand_out_views(unit: Any) -> None:
@@ -291,12 +329,16 @@ def prefetch(scheduler: Any, order: list, index: int, backward: bool) -> None:
 # ------------------------------------------------------------------ backward
 
 
-def pre_backward(unit: Any, order: list, index: int, _grad: Any = None) -> None:
-    root = unit._root
+def queue_end_of_backward(root: Any) -> None:
+    """Makes finish_backward run when the backward under way ends. Safe to call twice."""
     if not root._final_callback_queued:
         root._final_callback_queued = True
         root._backward_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))
+
+
+def pre_backward(unit: Any, order: list, index: int, _grad: Any = None) -> None:
+    queue_end_of_backward(unit._root)
     if unit._handle is not None:
         unit._scheduler.wait_for_unshard(unit._handle)  # see forward() on the order
         if unit._placeholders_set:  # resharded after forward: recomputation needs real views

@@ -39,8 +39,8 @@ def state_dict(unit: Any, args: tuple, destination: Any, prefix: str, keep_vars:
     config = unit._state_dict_config
     out = destination if destination is not None else collections.OrderedDict()
     keep = not config.rank0_only or dist.get_rank() == 0
-    buffer_dtypes = original_buffer_dtypes(unit)  # saved as they were before buffer_dtype
-    with summon_full_params(unit, writeback=False):
+    with summon_full_params(unit, writeback=False):  # (also the lazy init, which casts buffers)
+        buffer_dtypes = original_buffer_dtypes(unit)  # saved as they were before buffer_dtype
         full = nn.Module.state_dict(unit, prefix=prefix, keep_vars=True)
         if keep:
             for name, value in full.items():

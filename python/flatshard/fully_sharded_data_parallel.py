@@ -176,13 +176,17 @@ class FullyShardedDataParallel(nn.Module):
                 cpu_offload=cpu_offload,
             )
             names = {m: name for name, m in module.named_modules()}
+            individually = _mixed_precision.individually_wrapped(self._mixed_precision)
             plan = _plan_wraps(
                 module,
                 auto_wrap_policy,
                 ignored,
                 ignored_params,
                 lambda m: isinstance(m, FullyShardedDataParallel),
-                _mixed_precision.individually_wrapped(self._mixed_precision, module),
+                individually,
+            )
+            _mixed_precision.run_in_fp32(
+                [m for m, o in plan if individually and isinstance(m, individually) and o.get("mixed_precision", 0) is None]
             )
             parents = _construction.parent_slots(module)
             for target, overrides in plan:
@@ -242,11 +246,13 @@ class FullyShardedDataParallel(nn.Module):
         if flat is not None:
             probe = fn(torch.empty(0, dtype=flat.dtype, device=flat.device))
             if probe.dtype != flat.dtype or probe.device != flat.device:
+                fix = ("with cpu_offload the shards stay on the host on purpose: leave the module where it is"
+                       if self._offload_params else
+                       "Move or cast the module before wrapping it (device_id= moves it at wrap time)")
                 raise ValueError(
                     f"FullyShardedDataParallel: unit '{self._unit_name or '<root>'}': expected no move or "
                     f"cast after wrapping but got {flat.dtype} on {flat.device} -> {probe.dtype} on "
-                    f"{probe.device}. Move or cast the module before wrapping it (device_id= moves it "
-                    f"at wrap time)."
+                    f"{probe.device}. {fix}."
                 )
         return super()._apply(fn, recurse)
 
