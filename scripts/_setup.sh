@@ -15,6 +15,10 @@ missing=()
 "$PY" -c "import pytest, pytest_timeout" 2>/dev/null || missing+=("pytest>=8" "pytest-timeout>=2.3")
 # torch.distributed's *_object collectives (used by tests) need NumPy, which torch's wheel does not pull in.
 "$PY" -c "import numpy" 2>/dev/null || missing+=("numpy")
+if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]]; then
+  # Real models in the tests: HF transformers built from configs (nothing downloaded at run time).
+  "$PY" -c "import transformers" 2>/dev/null || missing+=("transformers>=4.40")
+fi
 if [[ "${FLATSHARD_NEEDS_PLOTS:-0}" == 1 ]]; then
   "$PY" -c "import matplotlib" 2>/dev/null || missing+=("matplotlib")
 fi

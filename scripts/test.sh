@@ -4,6 +4,7 @@
 # skip without CUDA. Extra arguments go to pytest. FLATSHARD_CPP_TESTS=0 builds
 # and runs no C++ tests (for a machine without GoogleTest or network; says so).
 if [[ "${FLATSHARD_CPP_TESTS:-1}" == 0 ]]; then FLATSHARD_BUILD_TESTS=OFF; else FLATSHARD_BUILD_TESTS=ON; fi
+FLATSHARD_NEEDS_TEST_DEPS=1
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 
 if [[ "$FLATSHARD_BUILD_TESTS" == ON ]]; then

@@ -111,7 +111,6 @@ def test_meta_module_with_reset_parameters_is_materialized(single_rank):
     "kwargs, name",
     [
         ({"ignored_states": [torch.ones(1)]}, "ignored_states"),
-        ({"use_orig_params": True}, "use_orig_params"),
     ],
 )
 def test_unimplemented_arguments_raise_naming_them(single_rank, kwargs, name):

@@ -26,6 +26,14 @@ RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SH
 SHARDED = _C.ShardedState.SHARDED
 
 
+class UsageError(RuntimeError, AssertionError):
+    """A call at the wrong time (e.g. summoning parameters during forward or backward).
+
+    A RuntimeError like our other misuse errors, and an AssertionError too, which is what
+    torch's FSDP1 raises for the same calls, so that code catching either works.
+    """
+
+
 def clean_name(name: str) -> str:
     """A name without the wrappers' ``_fsdp_wrapped_module.`` parts: the original module's."""
     return name.replace(WRAPPED_PREFIX, "")

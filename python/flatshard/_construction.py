@@ -7,13 +7,14 @@ root's lazy init, before the first forward; nothing here is on the per-step path
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _C, _mixed_precision
+from flatshard import _C, _mixed_precision, _orig_params
 from flatshard._common import FLAT_PARAM, HYBRID, OWNER_ATTR, clean_name, is_unit, join
 from flatshard.api import ShardingStrategy
 
@@ -95,12 +96,17 @@ def resolve_device(device_id: int | torch.device | None, module: nn.Module, unit
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if isinstance(device_id, int):
         return torch.device("cuda", device_id)
+    if isinstance(device_id, str):  # "cpu", "cuda", "cuda:1", as torch accepts
+        try:
+            device_id = torch.device(device_id)
+        except RuntimeError as e:
+            raise ValueError(f"FullyShardedDataParallel: device_id: {device_id!r} is not a device: {e}") from None
     if isinstance(device_id, torch.device):
         if device_id.type == "cuda" and device_id.index is None:
             return torch.device("cuda", torch.cuda.current_device())
         return device_id
     raise ValueError(
-        f"FullyShardedDataParallel: device_id: expected an int, a torch.device or None but got "
+        f"FullyShardedDataParallel: device_id: expected an int, a str, a torch.device or None but got "
         f"{device_id!r}"
     )
 
@@ -116,7 +122,13 @@ def expand_ignored(ignored_modules: Iterable[nn.Module] | None, root: nn.Module)
             raise ValueError("ignored_modules: expected plain modules but got an FSDP unit")
         out.update(m.modules())
     if root in out:
-        raise ValueError("ignored_modules: the module being wrapped cannot itself be ignored")
+        # As torch: allowed, with a warning; the unit then owns no parameter (nothing is sharded).
+        warnings.warn(
+            "FullyShardedDataParallel: ignored_modules contains the module being wrapped itself: every "
+            "parameter of it is ignored (left unsharded on every rank, as plain module state). Ignore its "
+            "submodules instead, or do not wrap it.",
+            stacklevel=3,
+        )
     return out
 
 
@@ -130,6 +142,8 @@ def parent_slots(root: nn.Module) -> dict[nn.Module, tuple[nn.Module, str]]:
 
 def unit_modules(module: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module]]:
     """(relative name, module) for the modules a unit owns: its subtree minus inner units and ignored ones."""
+    if module in ignored:
+        return
     stack = [("", module)]
     seen: set[int] = set()
     while stack:
@@ -207,7 +221,7 @@ def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], igno
     unit._param_local_names = local_names
     unit._handle = None
     if params:
-        check_uniform(params, names, unit._unit_name)
+        check_uniform(params, names, unit._unit_name, mixed_requires_grad=unit._use_orig_params)
     if params and params[0].device != unit._device:
         with torch.no_grad():
             for p in params:
@@ -233,8 +247,13 @@ def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], igno
             unit._unit_name, layout, shard_rank, [p.detach() for p in params],
             compute_device=unit._device, offload=unit._offload_params, **dtypes,
         )
-    flat = nn.Parameter(unit._handle.local_shard, requires_grad=params[0].requires_grad)
+    flat = nn.Parameter(unit._handle.local_shard, requires_grad=any(p.requires_grad for p in params))
     unit._handle.set_local_shard(flat)
+    if unit._use_orig_params:  # see [Note: Original parameters] in _orig_params.py
+        unit.__dict__[FLAT_PARAM] = flat
+        unit._frozen_indices = [i for i, p in enumerate(params) if not p.requires_grad] if flat.requires_grad else []
+        _orig_params.init(unit, params)
+        return
     unit.register_parameter(FLAT_PARAM, flat)
     # The module attributes become plain tensors: views of the unsharded
     # buffer (storage-less while sharded, see [Note: Unsharded storage]).
@@ -281,6 +300,7 @@ def lazy_init(root: Any) -> None:
         unit._forward_input_dtype = _mixed_precision.forward_input_dtype(unit._mixed_precision, unit is root)
         _mixed_precision.cast_buffers(unit, list(unit_modules(unit._fsdp_wrapped_module, unit._ignored_modules)))
     root._units = [u for _, u in units]
+    root._orig_param_units = [u for u in root._units if u._use_orig_params and u._handle is not None]
 
 
 def materialize_meta(
@@ -385,14 +405,19 @@ def check_not_owned(p: torch.Tensor, fqn: str) -> None:
     )
 
 
-def check_uniform(params: list[nn.Parameter], names: list[str], unit_name: str) -> None:
+def check_uniform(params: list[nn.Parameter], names: list[str], unit_name: str, mixed_requires_grad: bool) -> None:
+    """One dtype and device per unit; one requires_grad too unless ``mixed_requires_grad`` (use_orig_params)."""
     unit = f"'{unit_name}'" if unit_name else "<root>"
     first = params[0]
-    for attr, fix in (
+    checks = [
         ("dtype", "Cast the module to one dtype (e.g. module.float()) or wrap those modules in separate units"),
         ("device", "Move the module to one device (or pass device_id=) or wrap those modules in separate units"),
-        ("requires_grad", "Freeze or unfreeze whole units, or wrap the frozen modules in separate units"),
-    ):
+    ]
+    if not mixed_requires_grad:
+        checks.append(("requires_grad", "Pass use_orig_params=True (frozen and trainable parameters may then share "
+                                        "a unit), freeze or unfreeze whole units, or wrap the frozen modules in "
+                                        "separate units"))
+    for attr, fix in checks:
         for p, n in zip(params, names):
             if getattr(p, attr) != getattr(first, attr):
                 raise ValueError(

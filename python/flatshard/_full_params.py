@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _C
-from flatshard._common import FLAT_PARAM, fsdp_modules, in_backward, is_unit
+from flatshard import _C, _orig_params
+from flatshard._common import FLAT_PARAM, UsageError, fsdp_modules, in_backward, is_unit
 from flatshard._runtime import abort_backward, reshard
 
 
@@ -40,9 +40,11 @@ def summon_full_params(
             root._lazy_init()
     units = fsdp_modules(module) if recurse else roots
     units = [u for u in units if not u._in_summon]
-    if in_backward():
-        raise RuntimeError(
-            "summon_full_params: called during backward; call it between iterations."
+    if in_backward() or any(root._in_iteration and not root._final_callback_queued and _in_forward(root)
+                            for root in roots):
+        raise UsageError(
+            "summon_full_params: called during forward or backward; call it between iterations (or before "
+            "the forward whose parameters it should show)."
         )
     for root in roots:
         if root._final_callback_queued:
@@ -57,11 +59,18 @@ def summon_full_params(
             _hide_full_params(unit, full, writeback)
 
 
+def _in_forward(root: Any) -> bool:
+    """Whether a unit of ``root`` is unsharded for a forward under way (its views handed out)."""
+    return any(u._handle is not None and not u._placeholders_set and not u._in_summon for u in root._units)
+
+
 def _expose_full_params(unit: Any) -> list[nn.Parameter]:
     unit._in_summon = True
     handle = unit._handle
     if handle is None:
         return []
+    if unit._use_orig_params:
+        _orig_params.writeback(unit)
     if _computes_as_stored(unit):
         unit._scheduler.unshard(handle)
         unit._scheduler.wait_for_unshard(handle)
@@ -70,6 +79,13 @@ def _expose_full_params(unit: Any) -> list[nn.Parameter]:
         summoned = unit._scheduler.gather_full_precision(handle)
         unit.__dict__["_summoned_full"] = summoned
         views = _C.views_of(summoned, handle.layout)
+    if unit._use_orig_params:  # the registered parameters themselves show the full values
+        for m, attr, _ in unit._param_slots:
+            m.__dict__.pop(attr, None)
+        with torch.no_grad():
+            for p, v in zip(unit._orig_params, views):
+                p.data = v
+        return []
     flat = unit._parameters.pop(FLAT_PARAM)
     full = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in views]
     for m, attr, index in unit._param_slots:
@@ -84,10 +100,18 @@ def _hide_full_params(unit: Any, full: list[nn.Parameter], writeback: bool) -> N
     handle = unit._handle
     if handle is None:
         return
-    flat = unit.__dict__.pop("_summoned_flat_param")
-    for m, attr, _ in unit._param_slots:
-        m._parameters.pop(attr, None)
-    unit.register_parameter(FLAT_PARAM, flat)
+    if unit._use_orig_params:
+        flat = unit._flat_param
+        full_buffer = unit.__dict__.get("_summoned_full", handle.unsharded)
+        with torch.no_grad():
+            for p, v in zip(unit._orig_params, _C.views_of(full_buffer, handle.layout)):
+                if writeback and p.data.data_ptr() != v.data_ptr():  # data replaced inside the context
+                    v.copy_(p.data.reshape(v.shape))
+    else:
+        flat = unit.__dict__.pop("_summoned_flat_param")
+        for m, attr, _ in unit._param_slots:
+            m._parameters.pop(attr, None)
+        unit.register_parameter(FLAT_PARAM, flat)
     summoned = unit.__dict__.pop("_summoned_full", None)
     if writeback:
         begin, end = handle.layout.shard_range(handle.rank)
@@ -98,6 +122,8 @@ def _hide_full_params(unit: Any, full: list[nn.Parameter], writeback: bool) -> N
     for p in full:
         p.data = p.data.new_empty(0)
     reshard(unit)
+    if unit._use_orig_params:
+        _orig_params.use_sharded_views(unit)
 
 
 def _computes_as_stored(unit: Any) -> bool:
@@ -140,6 +166,9 @@ def clip_grad_norm(root: Any, max_norm: float | int, norm_type: float | int = 2.
         if unit._handle is None:
             continue
         managed.add(id(unit._flat_param))
+        if unit._use_orig_params:  # gradients as the user left them, into the flat gradient
+            _orig_params.writeback(unit)
+            managed.update(id(p) for p in unit._orig_params)
         if unit._flat_param.grad is not None:
             (replicated if unit._handle.is_replicated else sharded).append(unit._flat_param.grad)
     replicated += [p.grad for p in root.parameters() if id(p) not in managed and p.grad is not None]

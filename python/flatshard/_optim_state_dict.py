@@ -46,10 +46,18 @@ def optim_state_dict(
     keep = not config.rank0_only or dist.get_rank() == 0
     state: dict[str, dict[str, Any]] = {}
     names_of: dict[int, list[str]] = {}
+    orig_done: set[int] = set()
     for index, entry in enumerate(entries):
         values = osd["state"].get(index, {})
         names_of[index] = entry.names
-        full = {entry.names[0]: dict(values)} if entry.unit is None else _unflatten_state(entry, values)
+        if entry.orig_index is not None:
+            if id(entry.unit) in orig_done:
+                continue
+            orig_done.add(id(entry.unit))  # the whole unit at once, at its first parameter
+            full = _unflatten_orig_state(entry.unit, [(i, e) for i, e in enumerate(entries) if e.unit is entry.unit],
+                                         osd)
+        else:
+            full = {entry.names[0]: dict(values)} if entry.unit is None else _unflatten_state(entry, values)
         if keep:
             for name, per_param in full.items():
                 if per_param:
@@ -127,7 +135,9 @@ def optim_state_dict_to_load(
                 f"optimizer state."
             )
         device = entry.param.device
-        if entry.unit is None:
+        if entry.orig_index is not None:
+            state[index] = _orig_piece_state(entry, full_state[names[0]], device)
+        elif entry.unit is None:
             state[index] = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in full_state[names[0]].items()}
         else:
             state[index] = _flatten_state(entry, [full_state[n] for n in names], device)
@@ -152,10 +162,11 @@ def optim_state_dict_to_load(
 
 class _OptimEntry:
     """One parameter the optimizer steps: a unit's flat shard (``unit`` set; ``names`` in flat
-    order) or a plain parameter (``names`` is its one name)."""
+    order), an original parameter of a ``use_orig_params`` unit (``unit`` and ``orig_index``
+    set; ``names`` its one name), or a plain parameter (``names`` is its one name)."""
 
-    def __init__(self, param: nn.Parameter, unit: Any, names: list[str]):
-        self.param, self.unit, self.names = param, unit, names
+    def __init__(self, param: nn.Parameter, unit: Any, names: list[str], orig_index: int | None = None):
+        self.param, self.unit, self.names, self.orig_index = param, unit, names, orig_index
 
 
 def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) -> tuple[list[_OptimEntry], Any]:
@@ -166,16 +177,22 @@ def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) ->
     for root in fsdp_modules(model, root_only=True):
         if root._is_root is None:
             root._lazy_init()
-    unit_of = {id(u._flat_param): u for u in units if u._handle is not None}
+    unit_of = {id(u._flat_param): u for u in units if u._handle is not None and not u._use_orig_params}
+    orig_of = {id(p): (u, i) for u in units if u._handle is not None and u._use_orig_params
+               for i, p in enumerate(u._orig_params)}
     # Names relative to ``model``: the unit's path in it, then the parameter's path in the unit.
     path_of = {id(m): clean_name(n) for n, m in model.named_modules() if is_unit(m)}
     plain_names: dict[int, str] = {}
     for name, p in model.named_parameters():
-        if id(p) not in unit_of:
+        if id(p) not in unit_of and id(p) not in orig_of:
             plain_names.setdefault(id(p), clean_name(name))
     entries = []
     for group_ in optim.param_groups:
         for p in group_["params"]:
+            if id(p) in orig_of:
+                unit, i = orig_of[id(p)]
+                entries.append(_OptimEntry(p, unit, [join(path_of[id(unit)], unit._param_local_names[i])], i))
+                continue
             unit = unit_of.get(id(p))
             if unit is None:
                 if id(p) not in plain_names:
@@ -191,8 +208,8 @@ def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) ->
 
 def _check_same_state_keys(entries: list[_OptimEntry], osd: dict[str, Any]) -> None:
     """Every rank must have the same state keys per unit, or the gathers below would not pair up."""
-    mine = [sorted(osd["state"].get(i, {})) if e.unit is not None and not e.unit._handle.is_replicated else None
-            for i, e in enumerate(entries)]
+    mine = [sorted(osd["state"].get(i, {})) if e.unit is not None and not e.unit._handle.is_replicated
+            and e.orig_index is None else None for i, e in enumerate(entries)]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for rank, theirs in enumerate(everyone):
@@ -265,4 +282,83 @@ def _flatten_state(entry: _OptimEntry, saved: list[dict[str, Any]], device: torc
             )
         else:  # a scalar such as Adam's step: the optimizer's load_state_dict places it
             out[key] = first.clone() if isinstance(first, torch.Tensor) else first
+    return out
+
+
+def _orig_slices(unit: Any) -> dict[int, tuple[int, int, int]]:
+    """param index -> (offset in the parameter, offset in the shard, numel) of this rank's piece."""
+    handle = unit._handle
+    layout = handle.layout
+    if handle.is_replicated:
+        return {i: (0, layout.offsets[i], layout.numels[i]) for i in range(layout.num_params)}
+    return {i: (op, os_, n) for i, op, os_, n in layout.shard_slices(handle.rank)}
+
+
+def _unflatten_orig_state(unit: Any, members: list[tuple[int, _OptimEntry]], osd: dict[str, Any]) -> dict:
+    """A ``use_orig_params`` unit's optimizer state, kept per piece of parameter in this rank's
+    shard, as full per-parameter state: the pieces are laid into a flat shard per key and
+    all-gathered (collective over the unit's shard group). Keys must agree across ranks."""
+    handle = unit._handle
+    layout = handle.layout
+    slices = _orig_slices(unit)
+    shard_numel = layout.padded_numel if handle.is_replicated else layout.shard_numel
+
+    def per_element(entry: _OptimEntry, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.param.shape
+
+    keys: list[str] = []
+    for index, entry in members:
+        for k in osd["state"].get(index, {}):
+            if k not in keys:
+                keys.append(k)
+    if not handle.is_replicated:
+        everyone: list[Any] = [None] * dist.get_world_size(unit._process_group)
+        dist.all_gather_object(everyone, sorted(keys), group=unit._process_group)
+        if any(theirs != sorted(keys) for theirs in everyone):
+            raise ValueError(
+                f"FullyShardedDataParallel.optim_state_dict: unit '{unit._unit_name or '<root>'}' has optimizer "
+                f"state {sorted(keys)} on this rank but {everyone} across its ranks; every rank must step the "
+                f"same parameters before saving (e.g. call optim.step() on every rank)."
+            )
+    out: dict[str, dict[str, Any]] = {entry.names[0]: {} for _, entry in members}
+    for key in keys:
+        flat, scalar = None, None
+        for index, entry in members:
+            value = osd["state"].get(index, {}).get(key)
+            if value is None:
+                continue
+            if per_element(entry, value):
+                if flat is None:
+                    flat = torch.zeros(shard_numel, dtype=value.dtype, device=unit._device)
+                _, offset_in_shard, numel = slices.get(entry.orig_index, (0, 0, 0))
+                flat[offset_in_shard : offset_in_shard + numel] = value.detach().reshape(-1).to(unit._device)
+            elif scalar is None:
+                scalar = value
+        if flat is not None and not handle.is_replicated:
+            gathered = flat.new_empty(layout.padded_numel)
+            dist.all_gather_into_tensor(gathered, flat, group=unit._process_group)
+            flat = gathered
+        for index, entry in members:
+            i = entry.orig_index
+            name = entry.names[0]
+            if flat is not None:
+                offset, numel = layout.offsets[i], layout.numels[i]
+                out[name][key] = flat[offset : offset + numel].view(layout.shapes[i]).clone()
+            elif scalar is not None:
+                out[name][key] = scalar.clone() if isinstance(scalar, torch.Tensor) else scalar
+    return {name: values for name, values in out.items() if values}
+
+
+def _orig_piece_state(entry: _OptimEntry, saved: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A parameter's full optimizer state as the state of its piece in this rank's shard."""
+    unit = entry.unit
+    shape = tuple(unit._handle.layout.shapes[entry.orig_index])
+    offset_in_param, _, numel = _orig_slices(unit).get(entry.orig_index, (0, 0, 0))
+    out: dict[str, Any] = {}
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == shape and shape != ():
+            piece = value.detach().reshape(-1)[offset_in_param : offset_in_param + numel].to(device)
+            out[key] = piece.view(entry.param.shape).clone()
+        else:
+            out[key] = value.clone() if isinstance(value, torch.Tensor) else value
     return out

@@ -72,6 +72,7 @@ import torch
 from torch import nn
 
 from flatshard._common import SHARDED, in_backward, logger, tensors_in, to_device
+from flatshard import _orig_params
 from flatshard._mixed_precision import cast_floating
 from flatshard.api import BackwardPrefetch
 
@@ -130,7 +131,11 @@ class _UnshardedViews(torch.autograd.Function):
         ctx.unit = unit
         ctx.use = use
         use.node = weakref.ref(ctx)  # ctx is the node: it dies with the graph
-        return tuple(unit._handle.views())
+        views = tuple(unit._handle.views())
+        frozen = unit.__dict__.get("_frozen_indices")
+        if frozen:  # use_orig_params: frozen parameters in a trainable unit get no gradient
+            ctx.mark_non_differentiable(*(views[i] for i in frozen))
+        return views
 
     @staticmethod
     def backward(ctx, *grads):
@@ -139,7 +144,14 @@ class _UnshardedViews(torch.autograd.Function):
 
 
 def set_views(unit: Any, views, placeholders: bool = False) -> None:
-    """Puts ``views`` (one per original parameter) on the modules as their parameter attributes."""
+    """Puts ``views`` (one per original parameter) on the modules as their parameter attributes;
+    with ``use_orig_params`` the placeholders are the registered parameters themselves (see
+    [Note: Original parameters] in _orig_params.py): the views that shadowed them go."""
+    if placeholders and unit._use_orig_params:
+        for m, attr, _ in unit._param_slots:
+            m.__dict__.pop(attr, None)
+        unit.__dict__["_placeholders_set"] = True
+        return
     for m, attr, index in unit._param_slots:
         m.__dict__[attr] = views[index]
     # Straight into __dict__: nn.Module.__setattr__ costs microseconds, three times a unit a step.
@@ -176,6 +188,8 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
             root._prev_pre_forward_order = root._pre_forward_order
             root._pre_forward_order = []
             root._post_forward_order = []
+            for u in root._orig_param_units:  # what the user changed since the last iteration
+                _orig_params.writeback(u)
         if unit._device.type != "cpu":
             args, kwargs = to_device((args, kwargs), unit._device)
     if unit._forward_input_dtype is not None:  # see flatshard/_mixed_precision.py
@@ -349,6 +363,8 @@ def pre_backward(unit: Any, order: list, index: int, _grad: Any = None) -> None:
 
 def post_backward(unit: Any, use: Use, grads: tuple[torch.Tensor | None, ...]) -> None:
     use.finish()
+    if unit._use_orig_params:
+        _orig_params.note_grads(unit, grads)
     # Reduce once no other use still needs the parameters, unless in no_sync().
     reduce = unit._sync_gradients and not has_pending_uses(unit)
     unit._scheduler.post_backward(
@@ -383,6 +399,8 @@ def finish_backward(root: Any) -> None:
     for unit in root._units:
         if unit._handle is not None and unit._sync_gradients:
             reshard(unit)
+            if unit._use_orig_params:
+                _orig_params.use_grad_views(unit)
 
 
 def abort_backward(root: Any) -> None:
@@ -402,6 +420,8 @@ def abort_backward(root: Any) -> None:
             unit._handle.drop_unsharded_grad()
             unit._flat_param.grad = None
             reshard(unit)
+            if unit._use_orig_params:
+                _orig_params.use_grad_views(unit)
 
 
 @contextlib.contextmanager

@@ -41,13 +41,20 @@ def state_dict(unit: Any, args: tuple, destination: Any, prefix: str, keep_vars:
     keep = not config.rank0_only or dist.get_rank() == 0
     with summon_full_params(unit, writeback=False):  # (also the lazy init, which casts buffers)
         buffer_dtypes = original_buffer_dtypes(unit)  # saved as they were before buffer_dtype
+        summoned = {id(m._parameters[attr]) for u in fsdp_modules(unit) if u._handle is not None
+                    for m, attr, _ in u._param_slots if m._parameters.get(attr) is not None}
         full = nn.Module.state_dict(unit, prefix=prefix, keep_vars=True)
         if keep:
             for name, value in full.items():
                 if isinstance(value, torch.Tensor):
-                    dtype = buffer_dtypes.get(id(value), value.dtype)
-                    # Plain tensors, cloned: the summoned storage is freed on exit.
-                    value = value.detach().clone().to(dtype)
+                    if id(value) in summoned:
+                        # Cloned: the summoned storage is freed on exit.
+                        value = value.detach().clone()
+                    else:
+                        # Buffers and ignored parameters: the tensors themselves (as torch), in
+                        # their original dtype.
+                        dtype = buffer_dtypes.get(id(value), value.dtype)
+                        value = value.detach().to(dtype)
                     if config.offload_to_cpu:
                         value = value.cpu()
                 out[clean_name(name)] = value

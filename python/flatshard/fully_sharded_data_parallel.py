@@ -42,7 +42,6 @@ __all__ = ["FullyShardedDataParallel"]
 # Torch's FSDP constructor arguments flatshard does not implement yet, with the
 # value that means "not used". A non-default value raises NotImplementedError.
 _NOT_YET = {
-    "use_orig_params": (False,),
     "ignored_states": (None,),
 }
 
@@ -97,7 +96,6 @@ class FullyShardedDataParallel(nn.Module):
     ):
         super().__init__()
         given = dict(
-            use_orig_params=use_orig_params,
             ignored_states=ignored_states,
         )
         for arg, defaults in _NOT_YET.items():
@@ -144,6 +142,7 @@ class FullyShardedDataParallel(nn.Module):
         self._predivide, self._postdivide = _mixed_precision.gradient_divide_factors(self._world_size * replicas)
         self._mixed_precision = _mixed_precision.check_mixed_precision(mixed_precision)
         self._offload_params = _mixed_precision.check_cpu_offload(cpu_offload)
+        self._use_orig_params = bool(use_orig_params)
         self._shard_factor = 1 if strategy == ShardingStrategy.NO_SHARD else self._world_size
         self._sharding_strategy = strategy
         self._reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
@@ -174,6 +173,7 @@ class FullyShardedDataParallel(nn.Module):
                 sync_module_states=sync_module_states,
                 mixed_precision=self._mixed_precision,
                 cpu_offload=cpu_offload,
+                use_orig_params=use_orig_params,
             )
             names = {m: name for name, m in module.named_modules()}
             individually = _mixed_precision.individually_wrapped(self._mixed_precision)
@@ -204,6 +204,7 @@ class FullyShardedDataParallel(nn.Module):
         self._root: FullyShardedDataParallel | None = None
         self._scheduler: Any = None
         self._units: list[FullyShardedDataParallel] = []
+        self._orig_param_units: list[FullyShardedDataParallel] = []
         self._in_summon = False
         self._forward_input_dtype: torch.dtype | None = None  # set at lazy init (see _mixed_precision)
         self._buffer_orig_dtypes: dict = {}
@@ -242,7 +243,7 @@ class FullyShardedDataParallel(nn.Module):
     def _apply(self, fn: Callable, recurse: bool = True) -> "FullyShardedDataParallel":
         # .to(), .cuda(), .double() and friends: a no-op passes; a move or cast
         # would leave the runtime's buffers behind, so it is refused.
-        flat = self._parameters.get(FLAT_PARAM)
+        flat = self._parameters.get(FLAT_PARAM, self.__dict__.get(FLAT_PARAM))
         if flat is not None:
             probe = fn(torch.empty(0, dtype=flat.dtype, device=flat.device))
             if probe.dtype != flat.dtype or probe.device != flat.device:

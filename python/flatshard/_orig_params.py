@@ -1,0 +1,141 @@
+"""``use_orig_params=True``: the original parameters stay the module's ``nn.Parameter`` s.
+
+[Note: Original parameters]
+As torch's FSDP1 with ``use_orig_params=True``:
+- Every original parameter stays registered on its module (same object, so an
+  optimizer built from ``model.parameters()`` or ``named_parameters()``, with
+  groups chosen by name, holds them). The flat parameter is not registered:
+  it lives on the unit as ``_flat_param`` for the runtime.
+- Between iterations a parameter's data is this rank's part of it in the
+  local flat shard: a 1-D view, possibly empty (sharded units), or the whole
+  parameter in its own shape (units of shard factor 1). An optimizer step on
+  it updates the flat shard in place; the next all-gather sends the update.
+- In forward and backward the module attribute is the unsharded view (an
+  autograd view of the gathered buffer), which shadows the registered
+  parameter through the module's ``__dict__``; resharding removes the shadow.
+- After backward each parameter's ``.grad`` is the matching view of the
+  gradient shard; a parameter that took no part in this iteration's backward,
+  or does not require grad, keeps ``.grad = None``.
+- Before an iteration (and before summoning, clipping or saving optimizer
+  state) what the user did in between is written back (``writeback``): a
+  parameter whose data was replaced is copied into the shard, gradients set to
+  None (``zero_grad``) clear the flat gradient, replaced gradients are copied
+  into it.
+- Frozen and trainable parameters may share a unit: the frozen ones' views
+  are not differentiable and they get no ``.grad``. (Their span of the flat
+  gradient is zeros and is reduced with the rest, as torch does.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatshard import _C
+
+
+def sharded_views(unit: Any) -> list[torch.Tensor]:
+    """Each original parameter's data between iterations (see the note)."""
+    handle = unit._handle
+    flat = unit._flat_param.detach()
+    layout = handle.layout
+    if handle.is_replicated:
+        return _C.views_of(flat, layout)
+    views = [flat.new_empty(0) for _ in range(layout.num_params)]
+    for index, _offset_in_param, offset_in_shard, numel in layout.shard_slices(handle.rank):
+        views[index] = flat[offset_in_shard : offset_in_shard + numel]
+    return views
+
+
+def init(unit: Any, params: list[nn.Parameter]) -> None:
+    """At wrap time: the original parameters become views of the local shard."""
+    unit._orig_params = params
+    unit._orig_grad_seen = [False] * len(params)
+    use_sharded_views(unit)
+
+
+def use_sharded_views(unit: Any) -> None:
+    with torch.no_grad():
+        for p, view in zip(unit._orig_params, sharded_views(unit)):
+            p.data = view
+
+
+def _grad_slots(unit: Any) -> list[tuple[int, int, int]]:
+    """(param index, start, numel) of each parameter's piece in the flat shard (and its gradient)."""
+    handle = unit._handle
+    layout = handle.layout
+    if handle.is_replicated:
+        return [(i, layout.offsets[i], layout.numels[i]) for i in range(layout.num_params)]
+    return [(index, offset_in_shard, numel)
+            for index, _offset_in_param, offset_in_shard, numel in layout.shard_slices(handle.rank)]
+
+
+def use_grad_views(unit: Any) -> None:
+    """After backward: each parameter's ``.grad`` is its view of the gradient shard."""
+    flat_grad = unit._flat_param.grad
+    params = unit._orig_params
+    for p in params:
+        p.grad = None
+    if flat_grad is None:
+        return
+    layout = unit._handle.layout
+    replicated = unit._handle.is_replicated
+    for index, start, numel in _grad_slots(unit):  # (a parameter with no element here keeps None, as torch)
+        p = params[index]
+        if not p.requires_grad or not unit._orig_grad_seen[index]:
+            continue
+        view = flat_grad[start : start + numel]
+        p.grad = view.view(layout.shapes[index]) if replicated else view
+
+
+def note_grads(unit: Any, grads: tuple[torch.Tensor | None, ...]) -> None:
+    """In post-backward: which parameters got a gradient (the others keep ``.grad = None``)."""
+    seen = unit._orig_grad_seen
+    for i, g in enumerate(grads):
+        if g is not None:
+            seen[i] = True
+
+
+@torch.no_grad()
+def writeback(unit: Any) -> None:
+    """What the user changed between iterations, into the flat shard and its gradient (see the note)."""
+    flat = unit._flat_param
+    views = sharded_views(unit)
+    for p, view in zip(unit._orig_params, views):
+        if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape:
+            if p.data.numel() != view.numel():
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: parameter '{_name_of(unit, p)}' was given data of "
+                    f"{p.data.numel()} elements between iterations but holds {view.numel()} on this rank; "
+                    f"with use_orig_params=True change a parameter's values in place (or inside "
+                    f"FSDP.summon_full_params), not its size."
+                )
+            view.copy_(p.data.reshape(view.shape))
+            p.data = view
+    grads = [p.grad for p in unit._orig_params]
+    if all(g is None for g in grads):
+        if flat.grad is not None:  # zero_grad(set_to_none=True)
+            flat.grad = None
+            unit._orig_grad_seen = [False] * len(grads)
+        return
+    flat_grad = flat.grad
+    if flat_grad is None:
+        flat_grad = torch.zeros_like(flat)
+    for index, start, numel in _grad_slots(unit):
+        g = grads[index]
+        target = flat_grad[start : start + numel]
+        if g is None:
+            target.zero_()
+            unit._orig_grad_seen[index] = False
+        elif g.data_ptr() != target.data_ptr():
+            target.copy_(g.reshape(-1))
+    flat.grad = flat_grad
+
+
+def _name_of(unit: Any, p: nn.Parameter) -> str:
+    for name, q in zip(unit._param_names, unit._orig_params):
+        if q is p:
+            return name
+    return "?"

@@ -1,0 +1,114 @@
+"""Scripts that work with torch's FSDP1 and used to break with flatshard (issue 9's list).
+
+Each case is what torch's FSDP1 does with the same call, found by running torch's own FSDP1
+tests against flatshard: a ``device_id`` string; the wrapped module itself in
+``ignored_modules`` (a warning, and nothing sharded); the FULL state dict handing out
+buffers and ignored parameters as the module's own tensors rather than copies; and the
+error for summoning parameters during forward or backward, which torch raises as an
+``AssertionError`` (flatshard's is a ``RuntimeError`` and an ``AssertionError``).
+Checkpointing around the whole root is in test_robustness.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_distributed
+
+
+def _device_id_string(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    model = FSDP(nn.Linear(2, 2), device_id="cpu")
+    model(torch.ones(1, 2)).sum().backward()
+    assert model._device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"device_id: 'nodevice' is not a device"):
+        FSDP(nn.Linear(2, 2), device_id="nodevice")
+
+
+def test_device_id_string():
+    run_distributed(_device_id_string, 2)
+
+
+def _ignore_the_root(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with pytest.warns(UserWarning, match=r"ignored_modules contains the module being wrapped itself"):
+        model = FSDP(inner, ignored_modules=[inner])
+    assert model._handle is None and all(p.numel() in (9, 3, 1) for p in model.parameters())
+    model(torch.ones(2, 3)).sum().backward()  # trains as the plain module, nothing gathered
+    assert inner[0].weight.grad is not None
+
+
+def test_ignoring_the_wrapped_module_warns_and_shards_nothing():
+    run_distributed(_ignore_the_root, 2)
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.kept = nn.Linear(2, 2)  # ignored below
+        self.register_buffer("running", torch.arange(2.0))
+
+    def forward(self, x):
+        return self.kept(self.lin(x)) + self.running
+
+
+def _state_dict_tensors(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    inner = _WithBuffer()
+    model = FSDP(inner, ignored_modules=[inner.kept])
+    model(torch.ones(1, 2)).sum().backward()
+    sd = model.state_dict()
+    # As torch: the buffer and the ignored parameter are the module's own storage, the
+    # sharded parameters are copies of the gathered values.
+    assert sd["running"].data_ptr() == inner.running.data_ptr()
+    assert sd["kept.weight"].data_ptr() == inner.kept.weight.data_ptr()
+    assert sd["lin.weight"].shape == (2, 2)
+
+
+def test_state_dict_returns_buffers_and_ignored_parameters_themselves():
+    run_distributed(_state_dict_tensors, 2)
+
+
+def _summon_at_the_wrong_time(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    class SummonsInForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            with FSDP.summon_full_params(model):
+                pass
+            return self.lin(x)
+
+    model = FSDP(SummonsInForward())
+    with pytest.raises(AssertionError, match=r"summon_full_params: called during forward or backward") as info:
+        model(torch.ones(1, 2))
+    assert isinstance(info.value, RuntimeError)
+
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))
+    hidden = {}
+    model.module[0].register_forward_hook(lambda m, i, o: hidden.update(out=o))
+    out = model(torch.ones(1, 2)).sum()
+
+    def summon_in_backward(grad):
+        with FSDP.summon_full_params(model):
+            pass
+
+    hidden["out"].register_hook(summon_in_backward)
+    with pytest.raises(AssertionError, match=r"called during forward or backward"):
+        out.backward()
+
+
+def test_summoning_during_forward_or_backward_raises_as_torch():
+    run_distributed(_summon_at_the_wrong_time, 1)
