@@ -107,15 +107,9 @@ def test_meta_module_with_reset_parameters_is_materialized(single_rank):
         assert p.device.type == "cpu" and torch.isfinite(p).all() and p.abs().sum() > 0
 
 
-@pytest.mark.parametrize(
-    "kwargs, name",
-    [
-        ({"ignored_states": [torch.ones(1)]}, "ignored_states"),
-    ],
-)
-def test_unimplemented_arguments_raise_naming_them(single_rank, kwargs, name):
-    with pytest.raises(NotImplementedError, match=rf"{name}=.* is not implemented"):
-        FSDP(nn.Linear(2, 2), **kwargs)
+def test_bad_ignored_states(single_rank):
+    with pytest.raises(ValueError, match=r"ignored_states: expected all nn.Parameter or all nn.Module but got \['Tensor'\]"):
+        FSDP(nn.Linear(2, 2), ignored_states=[torch.ones(1)])
 
 
 def test_bad_argument_values(single_rank):

@@ -76,3 +76,38 @@ def test_hf_llama_sft_matches_torch_fsdp1(world_size):
     got = run_distributed(_both, world_size, timeout=240)[0]
     torch.testing.assert_close(torch.tensor(got["flatshard"]), torch.tensor(got["torch"]), rtol=1e-5, atol=0,
                                msg=f"losses {got['flatshard']} vs torch {got['torch']}")
+
+
+def _forward_and_generate_in_summon(rank, world_size, use_orig_params) -> dict:
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    reference = _llama().eval()
+    model = FSDP(_llama(), use_orig_params=use_orig_params,
+                 auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                    transformer_layer_cls={LlamaDecoderLayer}))
+    model.eval()
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(rank))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad(), FSDP.summon_full_params(model, writeback=False):
+        logits = model(input_ids=prompt).logits
+        generated = model.module.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    after = model.state_dict()
+    with torch.no_grad():
+        want_logits = reference(input_ids=prompt).logits
+        want_generated = reference.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+    assert torch.equal(generated, want_generated), f"{generated} vs {want_generated}"
+    for k, v in before.items():
+        assert torch.equal(after[k], v), f"'{k}' changed"
+    # And training goes on afterwards.
+    model.train()
+    model(input_ids=prompt, labels=prompt).loss.backward()
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_forward_and_generate_inside_summon_full_params(use_orig_params):
+    run_distributed(_forward_and_generate_in_summon, 2, use_orig_params, timeout=240)

@@ -112,3 +112,43 @@ def _summon_at_the_wrong_time(rank, world_size):
 
 def test_summoning_during_forward_or_backward_raises_as_torch():
     run_distributed(_summon_at_the_wrong_time, 1)
+
+
+def _ignored_states(rank, world_size, impl, kind) -> dict:
+    import warnings
+
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from models import Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
+
+    FSDP = fsdp_class(impl)
+    inner = make_gpt()
+    states = [inner.ln_f.weight, inner.blocks[0].mlp.fc.bias] if kind == "params" else [inner.ln_f]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                     ignored_states=states)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = local_slice(make_batch(), rank, world_size)
+    losses = []
+    for _ in range(3):
+        loss = gpt_loss(model, *local)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "kept": [tuple(s.shape) for s in states if isinstance(s, nn.Parameter)],
+            "ln_f_is_param": any(p is inner.ln_f.weight for p in model.parameters())}
+
+
+@pytest.mark.parametrize("kind", ["params", "modules"])
+def test_ignored_states(kind):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    theirs = run_distributed(_ignored_states, 2, "torch", kind)
+    ours = run_distributed(_ignored_states, 2, "flatshard", kind)
+    for rank in range(2):
+        assert ours[rank]["losses"] == theirs[rank]["losses"], f"rank {rank}: {ours[rank]} vs {theirs[rank]}"
+        assert ours[rank]["ln_f_is_param"], "an ignored parameter stays the module's own, unsharded"
+    with pytest.raises(ValueError, match=r"expected ignored_modules or ignored_states but got both"):
+        FSDP(nn.Linear(2, 2), ignored_modules=[], ignored_states=[])

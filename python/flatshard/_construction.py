@@ -111,6 +111,29 @@ def resolve_device(device_id: int | torch.device | None, module: nn.Module, unit
     )
 
 
+def split_ignored_states(
+    ignored_modules: Iterable[nn.Module] | None, ignored_states: Iterable[Any] | None
+) -> tuple[Iterable[nn.Module] | None, set[nn.Parameter]]:
+    """torch's ``ignored_states``: all parameters (ignored one by one) or all modules (as
+    ``ignored_modules``). Returns (ignored modules, ignored parameters)."""
+    if ignored_states is None:
+        return ignored_modules, set()
+    if ignored_modules is not None:
+        raise ValueError(
+            "FullyShardedDataParallel: expected ignored_modules or ignored_states but got both; pass the "
+            "modules in one of them."
+        )
+    states = list(ignored_states)
+    if all(isinstance(s, nn.Parameter) for s in states):
+        return None, set(states)
+    if all(isinstance(s, nn.Module) for s in states):
+        return states, set()
+    raise ValueError(
+        f"FullyShardedDataParallel: ignored_states: expected all nn.Parameter or all nn.Module but got "
+        f"{sorted({type(s).__name__ for s in states})}"
+    )
+
+
 def expand_ignored(ignored_modules: Iterable[nn.Module] | None, root: nn.Module) -> set[nn.Module]:
     if ignored_modules is None:
         return set()

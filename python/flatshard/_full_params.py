@@ -7,6 +7,7 @@ Each gathers what it needs through the same scheduler verbs as training
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any, Callable, Iterator
 
@@ -28,20 +29,14 @@ def summon_full_params(
     offload_to_cpu: bool = False,
     with_grads: bool = False,
 ) -> Iterator[None]:
-    """See ``FullyShardedDataParallel.summon_full_params``."""
-    for arg, value in (("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu), ("with_grads", with_grads)):
-        if value:
-            raise NotImplementedError(
-                f"summon_full_params: {arg}=True is not implemented in flatshard yet."
-            )
+    """See ``FullyShardedDataParallel.summon_full_params`` and [Note: Summoning]."""
     roots = [module] if is_unit(module) else fsdp_modules(module, root_only=True)
     for root in roots:
         if root._is_root is None:
             root._lazy_init()
     units = fsdp_modules(module) if recurse else roots
     units = [u for u in units if not u._in_summon]
-    if in_backward() or any(root._in_iteration and not root._final_callback_queued and _in_forward(root)
-                            for root in roots):
+    if in_backward() or any(root.__dict__.get("_in_forward_call") for root in roots):
         raise UsageError(
             "summon_full_params: called during forward or backward; call it between iterations (or before "
             "the forward whose parameters it should show)."
@@ -49,81 +44,166 @@ def summon_full_params(
     for root in roots:
         if root._final_callback_queued:
             abort_backward(root)
-    entered: list[tuple[Any, list[nn.Parameter]]] = []
+    options = _Options(writeback, rank0_only, offload_to_cpu, with_grads)
+    entered: list[_Summoned] = []
     try:
         for unit in units:
-            entered.append((unit, _expose_full_params(unit)))
+            entered.append(_expose_full_params(unit, options))
         yield
     finally:
-        for unit, full in reversed(entered):
-            _hide_full_params(unit, full, writeback)
+        for summoned in reversed(entered):
+            _hide_full_params(summoned, options)
 
 
-def _in_forward(root: Any) -> bool:
-    """Whether a unit of ``root`` is unsharded for a forward under way (its views handed out)."""
-    return any(u._handle is not None and not u._placeholders_set and not u._in_summon for u in root._units)
+# [Note: Summoning]
+# Each unit's full flat parameter, in full precision, is made once ("the full
+# buffer"): the gathered buffer itself when the unit computes in its shard's
+# dtype and device, else a full-precision gather (gather_full_precision). The
+# original parameters become views of it: new nn.Parameters registered on the
+# modules (use_orig_params=False), or the original parameters themselves with
+# that data (True). Options, as torch's FSDP1 defines them and for both
+# settings of use_orig_params:
+# - with_grads: the full gradient likewise (all-gathered, zeros where a rank
+#   has none), as the parameters' .grad;
+# - offload_to_cpu: the full buffers are copied to the host (and the device
+#   copy freed at once);
+# - rank0_only: only the group's first rank exposes them; the others take part
+#   in the collectives and keep their sharded state;
+# - writeback: on exit each rank copies its part of the full buffer (and
+#   gradient) back into its shard; with rank0_only the first rank's buffers
+#   are broadcast first (torch FSDP1 refuses that combination).
 
 
-def _expose_full_params(unit: Any) -> list[nn.Parameter]:
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    writeback: bool
+    rank0_only: bool
+    offload_to_cpu: bool
+    with_grads: bool
+
+
+@dataclasses.dataclass
+class _Summoned:
+    unit: Any
+    full: torch.Tensor | None = None  # the full buffer the exposed parameters are views of
+    grad: torch.Tensor | None = None  # the full gradient (with_grads), or None
+    exposed: bool = False  # False on ranks other than the first with rank0_only
+    has_grad: bool = False  # with_grads and some rank has a gradient (the same on every rank)
+    params: list = dataclasses.field(default_factory=list)  # use_orig_params=False: the exposed Parameters
+    flat: nn.Parameter | None = None  # use_orig_params=False: the flat parameter, unregistered meanwhile
+
+
+def _expose_full_params(unit: Any, options: _Options) -> _Summoned:
+    summoned = _Summoned(unit)
     unit._in_summon = True
     handle = unit._handle
     if handle is None:
-        return []
+        return summoned
     if unit._use_orig_params:
         _orig_params.writeback(unit)
-    if _computes_as_stored(unit):
+    gathered_in_place = _computes_as_stored(unit)
+    if gathered_in_place:
         unit._scheduler.unshard(handle)
         unit._scheduler.wait_for_unshard(handle)
-        views = handle.views()
+        full = handle.unsharded
     else:  # full precision, on the compute device (see [Note: Mixed precision and offload])
-        summoned = unit._scheduler.gather_full_precision(handle)
-        unit.__dict__["_summoned_full"] = summoned
-        views = _C.views_of(summoned, handle.layout)
-    if unit._use_orig_params:  # the registered parameters themselves show the full values
-        for m, attr, _ in unit._param_slots:
-            m.__dict__.pop(attr, None)
-        with torch.no_grad():
-            for p, v in zip(unit._orig_params, views):
-                p.data = v
-        return []
-    flat = unit._parameters.pop(FLAT_PARAM)
-    full = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in views]
-    for m, attr, index in unit._param_slots:
+        full = unit._scheduler.gather_full_precision(handle)
+    grad = _gather_full_grad(unit) if options.with_grads else None
+    summoned.has_grad = grad is not None
+    summoned.exposed = not options.rank0_only or dist.get_rank(unit._process_group) == 0
+    if not summoned.exposed:
+        if gathered_in_place:
+            reshard(unit)
+        return summoned
+    if options.offload_to_cpu and full.device.type != "cpu":
+        full, grad = full.cpu(), (grad.cpu() if grad is not None else None)
+        if gathered_in_place:
+            reshard(unit)
+    summoned.full, summoned.grad = full, grad
+    views = _C.views_of(full, handle.layout)
+    grads = _C.views_of(grad, handle.layout) if grad is not None else [None] * len(views)
+    for m, attr, _ in unit._param_slots:
         m.__dict__.pop(attr, None)
-        m._parameters[attr] = full[index]
-    unit.__dict__["_summoned_flat_param"] = flat
+    if unit._use_orig_params:  # the registered parameters themselves show the full values
+        with torch.no_grad():
+            for p, v, g in zip(unit._orig_params, views, grads):
+                p.data = v
+                p.grad = g if p.requires_grad else None
+        return summoned
+    summoned.flat = unit._parameters.pop(FLAT_PARAM)
+    summoned.params = [nn.Parameter(v, requires_grad=summoned.flat.requires_grad) for v in views]
+    for p, g in zip(summoned.params, grads):
+        p.grad = g
+    for m, attr, index in unit._param_slots:
+        m._parameters[attr] = summoned.params[index]
+    return summoned
+
+
+def _gather_full_grad(unit: Any) -> torch.Tensor | None:
+    """The unit's full gradient on the compute device, zeros where a rank has none; None if no rank
+    has one (collective over the unit's shard group)."""
+    handle = unit._handle
+    flat = unit._flat_param
+    local = flat.grad
+    any_grad = torch.tensor([0.0 if local is None else 1.0], device=unit._device)
+    dist.all_reduce(any_grad, op=dist.ReduceOp.MAX, group=unit._process_group)
+    if not any_grad.item():
+        return None
+    local = (torch.zeros_like(flat) if local is None else local.detach()).to(unit._device, flat.dtype)
+    if handle.is_replicated:
+        return local.clone()
+    full = local.new_empty(handle.layout.padded_numel)
+    dist.all_gather_into_tensor(full, local.contiguous(), group=unit._process_group)
     return full
 
 
-def _hide_full_params(unit: Any, full: list[nn.Parameter], writeback: bool) -> None:
+def _hide_full_params(summoned: _Summoned, options: _Options) -> None:
+    unit = summoned.unit
     unit._in_summon = False
     handle = unit._handle
     if handle is None:
         return
-    if unit._use_orig_params:
-        flat = unit._flat_param
-        full_buffer = unit.__dict__.get("_summoned_full", handle.unsharded)
-        with torch.no_grad():
-            for p, v in zip(unit._orig_params, _C.views_of(full_buffer, handle.layout)):
-                if writeback and p.data.data_ptr() != v.data_ptr():  # data replaced inside the context
-                    v.copy_(p.data.reshape(v.shape))
-    else:
-        flat = unit.__dict__.pop("_summoned_flat_param")
-        for m, attr, _ in unit._param_slots:
-            m._parameters.pop(attr, None)
-        unit.register_parameter(FLAT_PARAM, flat)
-    summoned = unit.__dict__.pop("_summoned_full", None)
-    if writeback:
-        begin, end = handle.layout.shard_range(handle.rank)
-        with torch.no_grad():
-            flat.copy_((handle.unsharded if summoned is None else summoned)[begin:end])
+    flat = summoned.flat if summoned.flat is not None else unit._flat_param
+    if summoned.exposed:
+        if unit._use_orig_params:
+            with torch.no_grad():
+                for p, v in zip(unit._orig_params, _C.views_of(summoned.full, handle.layout)):
+                    if options.writeback and p.data.data_ptr() != v.data_ptr():  # replaced inside the context
+                        v.copy_(p.data.reshape(v.shape))
+        else:
+            for m, attr, _ in unit._param_slots:
+                m._parameters.pop(attr, None)
+            unit.register_parameter(FLAT_PARAM, flat)
+    if options.writeback:
+        _write_back(unit, summoned, flat, options)
     # Parameters a caller kept from inside the context must not read freed
     # storage: they become empty (clone inside the context to keep values).
-    for p in full:
+    for p in summoned.params:
         p.data = p.data.new_empty(0)
+        p.grad = None
     reshard(unit)
     if unit._use_orig_params:
         _orig_params.use_sharded_views(unit)
+        _orig_params.use_grad_views(unit)
+
+
+@torch.no_grad()
+def _write_back(unit: Any, summoned: _Summoned, flat: nn.Parameter, options: _Options) -> None:
+    """Each rank's part of the full buffer (and gradient) into its shard; see [Note: Summoning]."""
+    handle = unit._handle
+    sources = [(summoned.full, flat)]
+    if summoned.has_grad:
+        if flat.grad is None:
+            flat.grad = torch.zeros_like(flat)
+        sources.append((summoned.grad, flat.grad))
+    begin, end = handle.layout.shard_range(handle.rank)
+    for full, target in sources:
+        if options.rank0_only:
+            buffer = (full.to(unit._device) if summoned.exposed
+                      else torch.empty(handle.layout.padded_numel, dtype=target.dtype, device=unit._device))
+            dist.broadcast(buffer, src=dist.get_global_rank(unit._process_group, 0), group=unit._process_group)
+            full = buffer
+        target.copy_(full[begin:end])
 
 
 def _computes_as_stored(unit: Any) -> bool:

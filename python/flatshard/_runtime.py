@@ -173,10 +173,11 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
     if unit._is_root is None:
         unit._lazy_init()
     if unit._in_summon:
-        raise RuntimeError(
-            "FullyShardedDataParallel: forward() inside summon_full_params() is not supported; "
-            "leave the context first."
-        )
+        # Inside summon_full_params (e.g. generate() in an evaluation or RL loop): the module
+        # holds its full parameters, in full precision; run it as it is.
+        if unit._is_root and unit._device.type != "cpu":
+            args, kwargs = to_device((args, kwargs), unit._device)
+        return unit._fsdp_wrapped_module(*args, **kwargs)
     if in_backward():
         return recompute(unit, args, kwargs)
     root = unit._root
@@ -214,7 +215,14 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
         else:
             set_views(unit, handle.views())
 
-    output = unit._fsdp_wrapped_module(*args, **kwargs)
+    if unit._is_root:
+        unit.__dict__["_in_forward_call"] = True  # (see summon_full_params)
+        try:
+            output = unit._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            unit.__dict__["_in_forward_call"] = False
+    else:
+        output = unit._fsdp_wrapped_module(*args, **kwargs)
 
     if handle is not None and grad_enabled and not unit._flat_param.requires_grad:
         # A frozen unit has no post-backward: its backward is over once

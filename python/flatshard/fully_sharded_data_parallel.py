@@ -39,13 +39,6 @@ from flatshard.wrap import _plan_wraps
 
 __all__ = ["FullyShardedDataParallel"]
 
-# Torch's FSDP constructor arguments flatshard does not implement yet, with the
-# value that means "not used". A non-default value raises NotImplementedError.
-_NOT_YET = {
-    "ignored_states": (None,),
-}
-
-
 class FullyShardedDataParallel(nn.Module):
     """Shards a module's parameters across ranks; a drop-in for torch's FSDP (FSDP1).
 
@@ -53,11 +46,10 @@ class FullyShardedDataParallel(nn.Module):
     ``process_group`` (a group, or a (shard, replicate) tuple for hybrid),
     ``sharding_strategy`` (all five), ``auto_wrap_policy`` (ours or torch's),
     ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``,
-    ``ignored_modules``, ``param_init_fn``, ``device_id``,
+    ``ignored_modules``, ``ignored_states``, ``param_init_fn``, ``device_id``,
     ``sync_module_states``, ``device_mesh``, ``mixed_precision`` (torch's
     ``MixedPrecision``, every field) and ``cpu_offload`` (torch's
-    ``CPUOffload``). Any other argument with a non-default value raises
-    ``NotImplementedError`` naming it.
+    ``CPUOffload``) and ``use_orig_params``.
 
     A unit with tensors on the meta device is materialized when it is wrapped,
     one unit at a time: by ``param_init_fn``, called on each of the unit's
@@ -93,18 +85,10 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: Any | None = None,
         *,
         _unit_name: str = "",
+        _ignored_params: set[nn.Parameter] | None = None,
     ):
         super().__init__()
-        given = dict(
-            ignored_states=ignored_states,
-        )
-        for arg, defaults in _NOT_YET.items():
-            if not any(given[arg] is d or given[arg] == d for d in defaults):
-                raise NotImplementedError(
-                    f"FullyShardedDataParallel: {arg}={given[arg]!r} is not implemented in flatshard "
-                    f"yet. Remove the argument (default {defaults[0]!r}) or use "
-                    f"torch.distributed.fsdp for this model."
-                )
+        ignored_modules, extra_ignored = _construction.split_ignored_states(ignored_modules, ignored_states)
         strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
         if not isinstance(strategy, ShardingStrategy):
             raise ValueError(
@@ -157,7 +141,8 @@ class FullyShardedDataParallel(nn.Module):
 
         ignored = _construction.expand_ignored(ignored_modules, module)
         self._ignored_modules = ignored
-        ignored_params = {p for m in ignored for p in m.parameters(recurse=False)}
+        ignored_params = {p for m in ignored for p in m.parameters(recurse=False)} | extra_ignored
+        ignored_params |= _ignored_params or set()
 
         if auto_wrap_policy is not None:
             child_kwargs = dict(
@@ -166,6 +151,7 @@ class FullyShardedDataParallel(nn.Module):
                 sharding_strategy=strategy,
                 backward_prefetch=backward_prefetch,
                 ignored_modules=ignored,
+                _ignored_params=ignored_params,
                 device_id=device_id,
                 forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers,
