@@ -144,3 +144,33 @@ def _mixed_and_offload_on_gpu(rank, world_size, backend):
 @pytest.mark.parametrize("backend, world_size", [("nccl", 1), ("gloo", 2)])
 def test_bf16_and_offload_on_gpu(backend, world_size):
     run_distributed(_mixed_and_offload_on_gpu, world_size, backend, timeout=240)
+
+
+def _compress_hooks_on_gpu(rank, world_size, hook_name):
+    """torch's fp16/bf16 compress hooks (CUDA only: they record streams): same losses as torch's FSDP1."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    from models import fsdp_class
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    local = local_slice(tuple(t.to(device) for t in make_batch()), rank, world_size)
+    hook = getattr(default_hooks, hook_name)
+    losses = {}
+    for impl in ("torch", "flatshard"):
+        model = fsdp_class(impl)(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device)
+        model.register_comm_hook(default_hooks.LowPrecisionState(dist.group.WORLD), hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses[impl] = []
+        for _ in range(STEPS):
+            loss = gpt_loss(model, *local)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[impl].append(float(loss))
+    torch.testing.assert_close(torch.tensor(losses["flatshard"]), torch.tensor(losses["torch"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("hook_name", ["fp16_compress_hook", "bf16_compress_hook"])
+def test_compress_hooks_on_gpu(hook_name):
+    run_distributed(_compress_hooks_on_gpu, 2, hook_name, timeout=240)

@@ -109,6 +109,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("grads"))
       .def("has_unsharded_grad", &FlatParam::has_unsharded_grad)
+      .def("take_unsharded_grad", &FlatParam::take_unsharded_grad)
       .def("drop_unsharded_grad", &FlatParam::drop_unsharded_grad)
       .def_property_readonly("unsharded_grad", &FlatParam::unsharded_grad);
 
@@ -143,6 +144,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("unit"), py::arg("grads"), py::arg("reduce"), py::arg("predivide"), py::arg("postdivide"),
           py::arg("all_reduce_replicas"))
       .def("gather_full_precision", &Scheduler::gather_full_precision, py::arg("unit"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("accumulate_reduced_grad", &Scheduler::accumulate_reduced_grad, py::arg("unit"), py::arg("grad_shard"),
            py::call_guard<py::gil_scoped_release>())
       .def("finish_grad_sync", &Scheduler::finish_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def("abort_grad_sync", &Scheduler::abort_grad_sync, py::call_guard<py::gil_scoped_release>())

@@ -243,6 +243,15 @@ void Scheduler::complete_replica_reduction() {
   stream_wait(current_stream(), all_reduce_stream_);
 }
 
+void Scheduler::accumulate_reduced_grad(FlatParam& unit, const at::Tensor& grad_shard) {
+  TORCH_CHECK(grad_shard.numel() == (unit.is_replicated() ? unit.layout().padded_numel() : unit.layout().shard_numel()),
+              "flatshard: unit '", unit.name(), "': a communication hook's output has ", grad_shard.numel(),
+              " elements but the gradient shard has ",
+              unit.is_replicated() ? unit.layout().padded_numel() : unit.layout().shard_numel());
+  unit.accumulate_grad_shard(grad_shard.detach());
+  if (unit.has_offloaded_grads()) offloaded_.insert(&unit);
+}
+
 at::Tensor Scheduler::gather_full_precision(FlatParam& unit) {
   const at::Tensor& shard = unit.local_shard();
   at::Tensor input = shard.detach().to(unit.compute_device());

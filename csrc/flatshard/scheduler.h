@@ -108,6 +108,10 @@ class Scheduler {
   // all-gathered (copied when replicated) on the current stream. Collective
   // for sharded units; blocks the host until done on the CPU.
   at::Tensor gather_full_precision(FlatParam& unit);
+  // A gradient shard reduced outside the scheduler (a communication hook, on
+  // the current stream) into the unit's `.grad`, as the scheduler's own
+  // reductions are (cast, keep_low_precision_grads, offload).
+  void accumulate_reduced_grad(FlatParam& unit, const at::Tensor& grad_shard);
   // Waits for every pending reduction and writes the gradient shards (to the
   // host for offloaded units, waiting for those copies). Blocks.
   void finish_grad_sync();

@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from flatshard._common import SHARDED, in_backward, logger, tensors_in, to_device
-from flatshard import _orig_params
+from flatshard import _comm_hooks, _orig_params
 from flatshard._mixed_precision import cast_floating
 from flatshard.api import BackwardPrefetch
 
@@ -375,11 +375,16 @@ def post_backward(unit: Any, use: Use, grads: tuple[torch.Tensor | None, ...]) -
         _orig_params.note_grads(unit, grads)
     # Reduce once no other use still needs the parameters, unless in no_sync().
     reduce = unit._sync_gradients and not has_pending_uses(unit)
+    hooked = reduce and unit._comm_hook is not None
     unit._scheduler.post_backward(
-        unit._handle, list(grads), reduce, unit._predivide, unit._postdivide, unit._replicate_group is not None
+        unit._handle, list(grads), reduce and not hooked, unit._predivide, unit._postdivide,
+        unit._replicate_group is not None,
     )
     if not reduce:
         return
+    if hooked:  # see [Note: Communication hooks] in _comm_hooks.py
+        unit._scheduler.reshard(unit._handle)
+        _comm_hooks.reduce(unit)
     if unit._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
         prefetch(unit._scheduler, use.order, use.index - 1, backward=True)
     reshard(unit)
@@ -400,9 +405,12 @@ def finish_backward(root: Any) -> None:
             use.finish()  # a later backward through a kept graph is a new reduction
         if handle is not None and unit._sync_gradients and handle.has_unsharded_grad():
             # a use whose post-backward never ran
-            unit._scheduler.reduce_grad(
-                handle, unit._predivide, unit._postdivide, unit._replicate_group is not None
-            )
+            if unit._comm_hook is not None:
+                _comm_hooks.reduce(unit)
+            else:
+                unit._scheduler.reduce_grad(
+                    handle, unit._predivide, unit._postdivide, unit._replicate_group is not None
+                )
     root._scheduler.finish_grad_sync()
     for unit in root._units:
         if unit._handle is not None and unit._sync_gradients:

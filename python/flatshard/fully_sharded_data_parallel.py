@@ -23,7 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _construction, _full_params, _mixed_precision, _optim_state_dict, _runtime, _state_dict
+from flatshard import (
+    _comm_hooks,
+    _construction,
+    _full_params,
+    _mixed_precision,
+    _optim_state_dict,
+    _runtime,
+    _state_dict,
+)
 from flatshard._common import FLAT_PARAM, RESHARD_AFTER_FORWARD, WRAPPED, clean_name, fsdp_modules, join
 from flatshard.api import (
     BackwardPrefetch,
@@ -193,6 +201,8 @@ class FullyShardedDataParallel(nn.Module):
         self._orig_param_units: list[FullyShardedDataParallel] = []
         self._in_summon = False
         self._forward_input_dtype: torch.dtype | None = None  # set at lazy init (see _mixed_precision)
+        self._comm_hook: Callable | None = None  # see _comm_hooks.py
+        self._comm_hook_state: object = None
         self._buffer_orig_dtypes: dict = {}
         self._state_dict_config = FullStateDictConfig()
         self._optim_state_dict_config = FullOptimStateDictConfig()
@@ -412,8 +422,16 @@ class FullyShardedDataParallel(nn.Module):
         method.__doc__ = "Not implemented in flatshard yet: raises NotImplementedError."
         return method
 
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Reduces gradients with ``hook`` instead of flatshard's own reduction, for every unit.
+
+        As torch's FSDP1 (see [Note: Communication hooks] in ``_comm_hooks.py``): call it on
+        the root before training; torch's default hooks
+        (``torch.distributed.algorithms._comm_hooks.default_hooks``) work.
+        """
+        _comm_hooks.register(self, state, hook)
+
     for _name in (
-        "register_comm_hook",
         "full_optim_state_dict",
         "sharded_optim_state_dict",
         "shard_full_optim_state_dict",
