@@ -27,6 +27,9 @@ def optim_state_dict(
     optim: torch.optim.Optimizer,
     optim_state_dict: dict[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
+    *,
+    rank0_only: bool | None = None,
+    offload_to_cpu: bool | None = None,
 ) -> dict[str, Any]:
     """The optimizer's state under the original parameter names (see [Note: Optimizer state dicts]).
 
@@ -42,8 +45,10 @@ def optim_state_dict(
         )
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     entries, config = _optim_entries(model, optim, "optim_state_dict")
+    rank0_only = config.rank0_only if rank0_only is None else rank0_only
+    offload_to_cpu = config.offload_to_cpu if offload_to_cpu is None else offload_to_cpu
     _check_same_state_keys(entries, osd)
-    keep = not config.rank0_only or dist.get_rank() == 0
+    keep = not rank0_only or dist.get_rank() == 0
     state: dict[str, dict[str, Any]] = {}
     names_of: dict[int, list[str]] = {}
     orig_done: set[int] = set()
@@ -62,7 +67,7 @@ def optim_state_dict(
             for name, per_param in full.items():
                 if per_param:
                     state[name] = {
-                        k: (v.detach().clone().cpu() if config.offload_to_cpu else v.detach().clone())
+                        k: (v.detach().clone().cpu() if offload_to_cpu else v.detach().clone())
                         if isinstance(v, torch.Tensor) else v
                         for k, v in per_param.items()
                     }
@@ -83,6 +88,8 @@ def optim_state_dict_to_load(
     is_named_optimizer: bool = False,
     load_directly: bool = False,
     group: dist.ProcessGroup | None = None,
+    *,
+    from_rank0: bool | None = None,
 ) -> dict[str, Any]:
     """Turns a state dict from ``optim_state_dict`` (ours or torch's FSDP1, FULL) into one for ``optim``.
 
@@ -96,7 +103,7 @@ def optim_state_dict_to_load(
             "implemented in flatshard."
         )
     entries, config = _optim_entries(model, optim, "optim_state_dict_to_load")
-    if config.rank0_only:
+    if config.rank0_only if from_rank0 is None else from_rank0:
         if dist.get_rank() == 0:  # on the CPU: pickled tensors would land on rank 0's device
             optim_state_dict = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: t.detach().cpu(), optim_state_dict
@@ -362,3 +369,98 @@ def _orig_piece_state(entry: _OptimEntry, saved: dict[str, Any], device: torch.d
         else:
             out[key] = value.clone() if isinstance(value, torch.Tensor) else value
     return out
+
+
+# ----------------------------------------------------------- torch's older functions
+# [Note: Older optimizer-state functions]
+# torch's FSDP1 kept these from before optim_state_dict(); recipes still call them.
+# full_optim_state_dict is optim_state_dict with its own rank0_only (default True)
+# and the state offloaded to the host; shard_full_optim_state_dict (every rank holds
+# the full dict) and scatter_full_optim_state_dict (rank 0 does) are
+# optim_state_dict_to_load; rekey_optim_state_dict switches the keys between the
+# original parameter names and their positions in the unwrapped model's
+# parameters() (OptimStateKeyType), e.g. to load into a model without FSDP; as
+# torch, each group's parameter list comes out sorted.
+
+
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
+                          rank0_only: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    _no_optim_input(optim_input, "full_optim_state_dict")
+    return optim_state_dict(model, optim, group=group, rank0_only=rank0_only, offload_to_cpu=True)
+
+
+def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module, optim_input: Any = None,
+                                optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    _no_optim_input(optim_input, "shard_full_optim_state_dict")
+    return optim_state_dict_to_load(model, _optim_or_default(model, optim), full_optim_state_dict, from_rank0=False)
+
+
+def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
+                                  optim_input: Any = None, optim: torch.optim.Optimizer | None = None,
+                                  group: Any = None) -> dict[str, Any]:
+    _no_optim_input(optim_input, "scatter_full_optim_state_dict")
+    if group is not None:
+        raise ValueError(
+            "FullyShardedDataParallel.scatter_full_optim_state_dict: group= must be the model's group; "
+            "flatshard uses each unit's own groups, so leave it unset."
+        )
+    return optim_state_dict_to_load(model, _optim_or_default(model, optim), full_optim_state_dict, from_rank0=True)
+
+
+def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: Any, model: nn.Module,
+                           optim_input: Any = None, optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    _no_optim_input(optim_input, "rekey_optim_state_dict")
+    names = unwrapped_parameter_names(model)
+    index_of = {n: i for i, n in enumerate(names)}
+    if optim_state_key_type == OptimStateKeyType.PARAM_ID:
+        key = lambda k: index_of[k] if isinstance(k, str) and k in index_of else k  # noqa: E731
+    elif optim_state_key_type == OptimStateKeyType.PARAM_NAME:
+        key = lambda k: names[k] if isinstance(k, int) and 0 <= k < len(names) else k  # noqa: E731
+    else:
+        raise ValueError(
+            f"FullyShardedDataParallel.rekey_optim_state_dict: expected an OptimStateKeyType but got "
+            f"{optim_state_key_type!r}"
+        )
+    state = {key(k): v for k, v in optim_state_dict["state"].items()}
+    # Sorted, as torch does: an optimizer's load_state_dict pairs saved and current
+    # parameters by position, so ids must come in the model's order.
+    groups = [{**g, "params": sorted(key(k) for k in g["params"])} for g in optim_state_dict["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def unwrapped_parameter_names(model: nn.Module) -> list[str]:
+    """The names ``model.named_parameters()`` would give without FSDP, in that order: each
+    module's own parameters as registered (flattened ones from its unit's slots), a tied
+    parameter once, under its first name."""
+    slots: dict[int, list[tuple[str, tuple[int, int]]]] = {}  # id(module) -> [(attribute, (unit, index))]
+    for unit in fsdp_modules(model):
+        if unit._handle is None or unit._use_orig_params:
+            continue
+        for m, attr, index in unit._param_slots:
+            slots.setdefault(id(m), []).append((attr, (id(unit), index)))
+    names: list[str] = []
+    seen: set = set()
+    for path, m in model.named_modules():
+        clean = clean_name(path)
+        entries = [(attr, id(p)) for attr, p in m._parameters.items() if p is not None and attr != "_flat_param"]
+        entries += slots.get(id(m), [])
+        for attr, identity in entries:
+            if identity not in seen:
+                seen.add(identity)
+                names.append(join(clean, attr))
+    return names
+
+
+def _no_optim_input(optim_input: Any, what: str) -> None:
+    if optim_input is not None:
+        raise ValueError(
+            f"FullyShardedDataParallel.{what}: optim_input is deprecated in torch and not taken by flatshard; "
+            f"pass optim= (the optimizer), or nothing if it was built from model.parameters()."
+        )
+
+
+def _optim_or_default(model: nn.Module, optim: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
+    """The optimizer the state is for; without one, one built on model.parameters() (torch's assumption)."""
+    return optim if optim is not None else torch.optim.SGD(model.parameters(), lr=0.0)

@@ -410,18 +410,6 @@ class FullyShardedDataParallel(nn.Module):
             model, optim, optim_state_dict, is_named_optimizer, load_directly, group
         )
 
-    def _not_yet(name: str) -> Callable:  # noqa: N805 - builds methods below
-        def method(self, *args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel.{name}() is not implemented in flatshard yet; "
-                f"use torch.distributed.fsdp for this, or FSDP.summon_full_params() to reach the full "
-                f"parameters."
-            )
-
-        method.__name__ = name
-        method.__doc__ = "Not implemented in flatshard yet: raises NotImplementedError."
-        return method
-
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """Reduces gradients with ``hook`` instead of flatshard's own reduction, for every unit.
 
@@ -431,13 +419,58 @@ class FullyShardedDataParallel(nn.Module):
         """
         _comm_hooks.register(self, state, hook)
 
-    for _name in (
-        "full_optim_state_dict",
-        "sharded_optim_state_dict",
-        "shard_full_optim_state_dict",
-        "scatter_full_optim_state_dict",
-        "flatten_sharded_optim_state_dict",
-        "rekey_optim_state_dict",
-    ):
-        locals()[_name] = _not_yet(_name)
-    del _name, _not_yet
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """torch's older name for a FULL ``optim_state_dict`` (see [Note: Older optimizer-state functions])."""
+        return _optim_state_dict.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """This rank's part of a full optimizer state dict every rank holds, ready for ``optim.load_state_dict``."""
+        return _optim_state_dict.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """As ``shard_full_optim_state_dict``, with the full dict on rank 0 only (broadcast)."""
+        return _optim_state_dict.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim, group)
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: Any,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Keys by original parameter name (``OptimStateKeyType.PARAM_NAME``) or by position in the
+        unwrapped model's ``parameters()`` (``PARAM_ID``)."""
+        return _optim_state_dict.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input,
+                                                        optim)
+
+    def _sharded_optim_not_yet(*args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        raise NotImplementedError(
+            "FullyShardedDataParallel.sharded_optim_state_dict / flatten_sharded_optim_state_dict: flatshard has "
+            "no sharded (ShardedTensor) optimizer state dicts yet; use FSDP.optim_state_dict() and "
+            "FSDP.optim_state_dict_to_load() (FULL_STATE_DICT)."
+        )
+
+    sharded_optim_state_dict = staticmethod(_sharded_optim_not_yet)
+    flatten_sharded_optim_state_dict = staticmethod(_sharded_optim_not_yet)
+    del _sharded_optim_not_yet
