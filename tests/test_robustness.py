@@ -195,25 +195,56 @@ def test_meta_init_keeps_tied_parameters():
     run_distributed(_meta_init_keeps_ties, 2)
 
 
-def _moves_after_wrapping(rank, world_size):
-    from torch.distributed.fsdp import MixedPrecision
-
-    from flatshard import FullyShardedDataParallel as FSDP
-
-    model = FSDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), mixed_precision=MixedPrecision())
-    model.float()  # a no-op is fine
-    model.to("cpu")
-    try:
-        model.double()
-    except ValueError as e:
-        assert "expected no move or cast after wrapping" in str(e) and "torch.float64" in str(e), str(e)
+def _cast_after_wrapping(rank, world_size, impl, use_orig_params, when) -> list[float]:
+    """model.double() after wrapping: before the first forward ("before"), or between two steps
+    ("between"; torch's FSDP1 then fails its next all-gather). impl "local": the unwrapped model."""
+    if impl == "local":
+        model, local = make_gpt(), make_batch()
     else:
-        raise AssertionError("casting after wrapping was not refused")
-    model(torch.ones(1, 2)).sum().backward()
+        model = fsdp_class(impl)(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                                 use_orig_params=use_orig_params)
+        local = local_slice(make_batch(), rank, world_size)
+    if when == "between":  # one fp32 step first
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gpt_loss(model, *local).backward()
+        opt.step()
+        opt.zero_grad()
+    model.float()  # a no-op
+    model.double()
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = gpt_loss(model, *local)
+        assert loss.dtype == torch.float64
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    losses = torch.stack(losses)
+    if impl != "local":
+        torch.distributed.all_reduce(losses)
+        losses /= world_size
+    if impl == "flatshard":
+        try:
+            model.to("meta")
+        except ValueError as e:
+            assert "expected no move after wrapping" in str(e), str(e)
+        else:
+            raise AssertionError("a move after wrapping was not refused")
+    return losses.tolist()
 
 
-def test_cast_after_wrapping_is_refused():
-    run_distributed(_moves_after_wrapping, 2)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_cast_after_wrapping_as_torch(use_orig_params):
+    ours = run_distributed(_cast_after_wrapping, 2, "flatshard", use_orig_params, "before")
+    theirs = run_distributed(_cast_after_wrapping, 2, "torch", use_orig_params, "before")
+    assert ours == theirs, f"{ours} vs torch {theirs}"
+    # Between steps too (torch's FSDP1 fails there), against the unwrapped model.
+    ours = run_distributed(_cast_after_wrapping, 2, "flatshard", use_orig_params, "between")[0]
+    want = _cast_after_wrapping(0, 1, "local", use_orig_params, "between")
+    torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-6, atol=0)  # (the first step ran in fp32)
 
 
 def _frozen_unit(rank, world_size):

@@ -88,8 +88,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property("name", &FlatParam::name, &FlatParam::set_name)
       .def_property_readonly("layout", &FlatParam::layout)
       .def_property_readonly("rank", &FlatParam::rank)
+      .def_property("group_index", &FlatParam::group_index, &FlatParam::set_group_index)
       .def_property_readonly("local_shard", &FlatParam::local_shard)
       .def("set_local_shard", &FlatParam::set_local_shard, py::arg("param"))
+      .def("after_shard_cast", &FlatParam::after_shard_cast)
       .def_property_readonly("unsharded", &FlatParam::unsharded)
       .def_property_readonly("state", &FlatParam::state)
       .def("views", &FlatParam::views)
@@ -124,6 +126,15 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("shard_group"), py::arg("replicate_group"), py::arg("device"),
            py::arg("max_in_flight_all_gathers"))
+      .def(
+          "add_groups",
+          [](Scheduler& self, const c10::intrusive_ptr<c10d::ProcessGroup>& shard_group,
+             const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& replicate_group) {
+            std::optional<flatshard::Collectives> replicate;
+            if (replicate_group.has_value()) replicate.emplace(*replicate_group);
+            return self.add_groups(flatshard::Collectives(shard_group), std::move(replicate));
+          },
+          py::arg("shard_group"), py::arg("replicate_group"))
       .def_property_readonly("rank", &Scheduler::rank)
       .def_property_readonly("world_size", &Scheduler::world_size)
       .def_property_readonly("has_events", &Scheduler::has_events)

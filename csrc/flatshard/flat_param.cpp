@@ -112,7 +112,6 @@ FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank
   }
   // On a CPU-only run the host is the compute device: offloading moves nothing.
   offload_ = opts.offload && compute_device_.type() != c10::DeviceType::CPU;
-  const at::TensorOptions compute = options.device(compute_device_).dtype(param_dtype_);
   {
     // The full flat tensor lives only until the shard is cut from it.
     const at::Tensor flat = flatten(params, layout_, options);
@@ -120,7 +119,16 @@ FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank
     local_shard_ = flat.narrow(0, begin, end - begin).clone();
     if (offload_) local_shard_ = local_shard_.to(c10::kCPU).pin_memory();
   }
+  explicit_param_dtype_ = opts.param_dtype.has_value();
+  explicit_reduce_dtype_ = opts.reduce_dtype.has_value();
+  make_buffers();
+}
+
+void FlatParam::make_buffers() {
+  const at::TensorOptions options = local_shard_.options().requires_grad(false);
+  const at::TensorOptions compute = options.device(compute_device_).dtype(param_dtype_);
   casts_ = local_shard_.device() != compute_device_ || param_dtype_ != local_shard_.scalar_type();
+  all_gather_target_ = at::Tensor();
   if (!has_own_unsharded()) {
     unsharded_ = local_shard_.detach();
     placeholder_views_ = views_of(unsharded_, layout_);
@@ -143,9 +151,19 @@ FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank
       placeholder_views_ = views_of(unsharded_, layout_);
     }
     resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
+    state_ = ShardedState::kSharded;
   }
-
   set_name(name_);  // also gives the placeholders their error message
+}
+
+void FlatParam::after_shard_cast() {
+  TORCH_CHECK(state_ != ShardedState::kUnsharding && !has_unsharded_storage() && !unsharded_grad_.defined(),
+              "flatshard: unit '", name_, "': its dtype can only change between iterations (it is unsharded now); "
+              "cast the model before training or between steps.");
+  const c10::ScalarType dtype = local_shard_.scalar_type();
+  if (!explicit_param_dtype_) param_dtype_ = dtype;
+  if (!explicit_reduce_dtype_) reduce_dtype_ = dtype;
+  make_buffers();
 }
 
 void FlatParam::set_name(std::string name) {

@@ -127,11 +127,18 @@ class FlatParam {
   void set_name(std::string name);
   const FlatParamLayout& layout() const { return layout_; }
   std::int64_t rank() const { return rank_; }
+  // Which of the scheduler's group pairs this unit's collectives use (see [Note: Groups per unit]).
+  std::int64_t group_index() const { return group_index_; }
+  void set_group_index(std::int64_t index) { group_index_ = index; }
 
   const at::Tensor& local_shard() const { return local_shard_; }
   // Replaces the local shard by `param`, which must alias it (Python passes the
   // nn.Parameter made from local_shard()), so that `.grad` is shared.
   void set_local_shard(const at::Tensor& param);
+  // After the local shard's dtype changed (model.half(), .to(dtype)): the
+  // unsharded buffer, the views and the dtypes that follow the shard's are made
+  // again. Between iterations only; throws c10::Error naming the unit otherwise.
+  void after_shard_cast();
 
   const at::Tensor& unsharded() const { return unsharded_; }
   const at::Tensor& all_gather_target() const { return all_gather_target_; }
@@ -201,6 +208,7 @@ class FlatParam {
   std::string name_;
   FlatParamLayout layout_;
   std::int64_t rank_;
+  std::int64_t group_index_ = 0;
   at::Tensor local_shard_;
   at::Tensor unsharded_;
   at::Tensor all_gather_target_;
@@ -214,6 +222,11 @@ class FlatParam {
   at::Tensor unsharded_grad_;
   // See [Note: Mixed precision and offload].
   void add_into_grad(const at::Tensor& grad_shard);
+  // The unsharded buffer, its all-gather target and the placeholders, from the
+  // local shard and the dtypes (the constructor's second half).
+  void make_buffers();
+  bool explicit_param_dtype_ = false;
+  bool explicit_reduce_dtype_ = false;
   c10::Device compute_device_;
   c10::ScalarType param_dtype_;
   c10::ScalarType reduce_dtype_;

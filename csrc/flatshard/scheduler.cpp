@@ -53,14 +53,26 @@ class WorkFence final : public Fence {
 
 Scheduler::Scheduler(Collectives shard, std::optional<Collectives> replicate, c10::Device device,
                      std::int64_t max_in_flight)
-    : shard_(std::move(shard)),
-      replicate_(std::move(replicate)),
-      device_(device),
+    : device_(device),
       has_events_(device_has_events(device)),
       all_gather_stream_(pool_stream(device)),
       reduce_scatter_stream_(pool_stream(device)),
       all_reduce_stream_(pool_stream(device)),
-      limiter_(max_in_flight) {}
+      limiter_(max_in_flight) {
+  groups_.push_back(GroupPair{std::move(shard), std::move(replicate)});
+}
+
+std::int64_t Scheduler::add_groups(Collectives shard, std::optional<Collectives> replicate) {
+  groups_.push_back(GroupPair{std::move(shard), std::move(replicate)});
+  return static_cast<std::int64_t>(groups_.size()) - 1;
+}
+
+Scheduler::GroupPair& Scheduler::groups_of(const FlatParam& unit) {
+  const std::int64_t index = unit.group_index();
+  TORCH_CHECK(index >= 0 && index < static_cast<std::int64_t>(groups_.size()), "flatshard: unit '", unit.name(),
+              "' has group index ", index, " but the scheduler has ", groups_.size(), " group pairs");
+  return groups_[static_cast<std::size_t>(index)];
+}
 
 Scheduler::~Scheduler() = default;
 
@@ -112,7 +124,7 @@ void Scheduler::unshard(FlatParam& unit) {
     at::Tensor output = unit.all_gather_target();
     // Cast and copied to the device here, on this stream (see [Note: Mixed precision and offload]).
     at::Tensor input = unit.all_gather_input();
-    work = std::make_shared<CommWork>(shard_.all_gather(output, input));
+    work = std::make_shared<CommWork>(groups_of(unit).shard.all_gather(output, input));
   }
   if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
   all_gathers_[&unit] = std::move(work);
@@ -168,7 +180,8 @@ void Scheduler::reshard(FlatParam& unit) {
 void Scheduler::reduce_grad(FlatParam& unit, double predivide, double postdivide, bool all_reduce_replicas) {
   TORCH_CHECK(predivide > 0 && postdivide > 0, "flatshard: expected positive gradient divide factors but got ",
               predivide, " and ", postdivide);
-  TORCH_CHECK(!all_reduce_replicas || replicate_.has_value(), "flatshard: unit '", unit.name(),
+  GroupPair& groups = groups_of(unit);
+  TORCH_CHECK(!all_reduce_replicas || groups.replicate.has_value(), "flatshard: unit '", unit.name(),
               "' asks for a replica all-reduce but the scheduler has no replicate group");
   // See [Note: Reductions in flight].
   while (!reductions_.empty()) complete_shard_reduction();
@@ -180,17 +193,17 @@ void Scheduler::reduce_grad(FlatParam& unit, double predivide, double postdivide
   if (predivide != 1.0) record.flat_grad.div_(predivide);
   if (unit.is_replicated()) {
     record.grad_shard = record.flat_grad;
-    if (shard_.size() > 1) {
+    if (groups.shard.size() > 1) {
       RECORD_USER_SCOPE(unit.all_reduce_range());
-      record.shard_work = shard_.all_reduce_sum(record.grad_shard);
+      record.shard_work = groups.shard.all_reduce_sum(record.grad_shard);
     }
   } else {
     RECORD_USER_SCOPE(unit.reduce_scatter_range());
     record.grad_shard = at::empty({unit.layout().shard_numel()}, record.flat_grad.options());
-    record.shard_work = shard_.reduce_scatter_sum(record.grad_shard, record.flat_grad);
+    record.shard_work = groups.shard.reduce_scatter_sum(record.grad_shard, record.flat_grad);
     // The collective holds the input itself (gloo) and drops it when done,
     // rather than when the host next completes reductions.
-    if (shard_.holds_reduce_scatter_input(record.flat_grad.device())) record.flat_grad = at::Tensor();
+    if (groups.shard.holds_reduce_scatter_input(record.flat_grad.device())) record.flat_grad = at::Tensor();
   }
   reductions_.push_back(std::move(record));
 }
@@ -218,12 +231,13 @@ void Scheduler::complete_shard_reduction() {
   // go back to its pool (no record_stream).
   stream_wait(current_stream(), reduce_scatter_stream_);
   record.flat_grad = at::Tensor();  // (replicated: the output is the same tensor and lives on)
-  if (record.all_reduce_replicas && replicate_->size() > 1) {
+  std::optional<Collectives>& replicate = groups_of(*record.unit).replicate;
+  if (record.all_reduce_replicas && replicate->size() > 1) {
     while (!replica_reductions_.empty()) complete_replica_reduction();
     stream_wait(all_reduce_stream_, reduce_scatter_stream_);
     c10::StreamGuard stream_guard(all_reduce_stream_);
     RECORD_USER_SCOPE(record.unit->all_reduce_range());
-    record.replica_work = replicate_->all_reduce_sum(record.grad_shard);
+    record.replica_work = replicate->all_reduce_sum(record.grad_shard);
   }
   replica_reductions_.push_back(std::move(record));
   if (!replica_reductions_.back().replica_work.defined()) complete_replica_reduction();
@@ -258,7 +272,7 @@ at::Tensor Scheduler::gather_full_precision(FlatParam& unit) {
   if (unit.is_replicated()) return input.data_ptr() == shard.data_ptr() ? input.clone() : input;
   RECORD_USER_SCOPE(unit.all_gather_range());
   at::Tensor full = at::empty({unit.layout().padded_numel()}, input.options());
-  CommWork work = shard_.all_gather(full, input);
+  CommWork work = groups_of(unit).shard.all_gather(full, input);
   work.wait();
   return full;
 }

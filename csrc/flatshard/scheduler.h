@@ -57,8 +57,10 @@ namespace flatshard {
 
 class Scheduler {
  public:
-  // shard: the group each unit is sharded over. replicate: for hybrid sharding,
-  // the group the gradient shards are all-reduced over (nullopt otherwise).
+  // shard: the group the root's units are sharded over. replicate: for hybrid
+  // sharding, the group the gradient shards are all-reduced over (nullopt
+  // otherwise). These are group pair 0; units sharded over other groups (e.g.
+  // mixture-of-experts layers over an expert group) get theirs from add_groups.
   // max_in_flight_all_gathers: 0 for unbounded (limit_all_gathers=False).
   Scheduler(Collectives shard, std::optional<Collectives> replicate, c10::Device device,
             std::int64_t max_in_flight_all_gathers);
@@ -66,8 +68,14 @@ class Scheduler {
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
-  std::int64_t rank() const { return shard_.rank(); }
-  std::int64_t world_size() const { return shard_.size(); }
+  std::int64_t rank() const { return groups_.front().shard.rank(); }
+  std::int64_t world_size() const { return groups_.front().shard.size(); }
+  // [Note: Groups per unit]
+  // Every unit's collectives run over its own group pair (FlatParam::group_index),
+  // still from this one scheduler, in one program order: ranks that share a group
+  // issue its collectives in the same order because they run the same units in
+  // the same order. Returns the new pair's index.
+  std::int64_t add_groups(Collectives shard, std::optional<Collectives> replicate);
   const c10::Device& device() const { return device_; }
   bool has_events() const { return has_events_; }
 
@@ -150,8 +158,12 @@ class Scheduler {
   void stream_wait(const c10::Stream& waiter, const c10::Stream& signaller);
   c10::Stream current_stream() const;
 
-  Collectives shard_;
-  std::optional<Collectives> replicate_;
+  struct GroupPair {
+    Collectives shard;
+    std::optional<Collectives> replicate;
+  };
+  GroupPair& groups_of(const FlatParam& unit);
+  std::vector<GroupPair> groups_;  // see [Note: Groups per unit]
   c10::Device device_;
   bool has_events_;
   // See [Note: Streams]. On the CPU all of them are the one CPU stream.

@@ -303,15 +303,18 @@ def lazy_init(root: Any) -> None:
                     f"has {getattr(root, attr)}; the units of one root share one runtime. Wrap them "
                     f"with the same {what}."
                 )
-        if unit._process_group is not root._process_group or unit._replicate_group is not root._replicate_group:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel: unit '{name}' uses other process groups than its root; "
-                f"flatshard runs all units of one root over the root's groups. Give every unit the "
-                f"same process_group."
-            )
     scheduler = _C.Scheduler(
         root._process_group, root._replicate_group, root._device, all_gather_limit(root._limit_all_gathers)
     )
+    # Units over other groups (e.g. experts over an expert group): one pair each; see
+    # [Note: Groups per unit] in csrc/flatshard/scheduler.h.
+    pairs = {(id(root._process_group), id(root._replicate_group)): 0}
+    for name, unit in units:
+        key = (id(unit._process_group), id(unit._replicate_group))
+        if key not in pairs:
+            pairs[key] = scheduler.add_groups(unit._process_group, unit._replicate_group)
+        if unit._handle is not None:
+            unit._handle.group_index = pairs[key]
     for name, unit in units:
         unit._is_root = unit is root
         # Not a submodule: through __dict__, so the module tree stays a tree.

@@ -29,6 +29,7 @@ from flatshard import (
     _full_params,
     _mixed_precision,
     _optim_state_dict,
+    _orig_params,
     _runtime,
     _state_dict,
 )
@@ -237,21 +238,36 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------- torch's methods
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "FullyShardedDataParallel":
-        # .to(), .cuda(), .double() and friends: a no-op passes; a move or cast
-        # would leave the runtime's buffers behind, so it is refused.
+        # .to(), .cuda(), .half(), .double() and friends. A cast (same device) is applied to the
+        # shards, as torch's FSDP does; a move would leave the runtime's buffers behind and is refused.
         flat = self._parameters.get(FLAT_PARAM, self.__dict__.get(FLAT_PARAM))
+        cast = False
         if flat is not None:
             probe = fn(torch.empty(0, dtype=flat.dtype, device=flat.device))
-            if probe.dtype != flat.dtype or probe.device != flat.device:
+            if probe.device != flat.device:
                 fix = ("with cpu_offload the shards stay on the host on purpose: leave the module where it is"
                        if self._offload_params else
-                       "Move or cast the module before wrapping it (device_id= moves it at wrap time)")
+                       "Move the module before wrapping it (device_id= moves it at wrap time)")
                 raise ValueError(
-                    f"FullyShardedDataParallel: unit '{self._unit_name or '<root>'}': expected no move or "
-                    f"cast after wrapping but got {flat.dtype} on {flat.device} -> {probe.dtype} on "
-                    f"{probe.device}. {fix}."
+                    f"FullyShardedDataParallel: unit '{self._unit_name or '<root>'}': expected no move after "
+                    f"wrapping but got {flat.device} -> {probe.device}. {fix}."
                 )
-        return super()._apply(fn, recurse)
+            cast = probe.dtype != flat.dtype
+            if cast and self._use_orig_params:  # the flat shard first: the parameters are views of it
+                _orig_params.writeback(self)  # (a zero_grad since the last step included)
+                with torch.no_grad():
+                    flat.data = flat.data.to(probe.dtype)
+                    if flat.grad is not None:
+                        flat.grad = flat.grad.to(probe.dtype)
+        out = super()._apply(fn, recurse)
+        if cast:
+            self._handle.after_shard_cast()
+            if self._use_orig_params:
+                _orig_params.use_sharded_views(self)
+                _orig_params.use_grad_views(self)
+            else:
+                _runtime.set_views(self, self._handle.placeholder_views, placeholders=True)
+        return out
 
     @property
     def module(self) -> nn.Module:
