@@ -133,8 +133,3 @@ def test_module_tree_stays_a_tree_after_forward(single_rank):
     assert sum(1 for _ in model.modules()) == 6  # root, Sequential, 2 units, 2 Linears
 
 
-@pytest.mark.parametrize("name", ["sharded_optim_state_dict", "flatten_sharded_optim_state_dict"])
-def test_unimplemented_methods_raise_naming_them(single_rank, name):
-    model = FSDP(nn.Linear(2, 2))
-    with pytest.raises(NotImplementedError, match=rf"FullyShardedDataParallel.sharded_optim_state_dict / flatten"):
-        getattr(FSDP, name)(model, None)

@@ -75,14 +75,17 @@ def test_full_state_dict_round_trip(impl, world_size):
 def _unsupported(rank, world_size):
     from flatshard import FullyShardedDataParallel as FSDP
 
+    from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig
+
     model = FSDP(make_gpt(), device_id=torch.device("cpu"))
-    for kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT):
+    for kind, config in ((StateDictType.SHARDED_STATE_DICT, FullStateDictConfig()),
+                         (StateDictType.LOCAL_STATE_DICT, ShardedStateDictConfig())):
         try:
-            FSDP.set_state_dict_type(model, kind)
-        except NotImplementedError as e:
-            assert "use StateDictType.FULL_STATE_DICT" in str(e), str(e)
+            FSDP.set_state_dict_type(model, kind, config)
+        except ValueError as e:
+            assert f"for {kind.name} but got {config!r}" in str(e), str(e)
         else:
-            raise AssertionError(f"{kind} was accepted")
+            raise AssertionError(f"{kind} with {config} was accepted")
     bad = dict(model.state_dict())
     bad["not_a_parameter"] = torch.zeros(1)
     try:
@@ -93,7 +96,7 @@ def _unsupported(rank, world_size):
         raise AssertionError("an unexpected key was accepted with strict=True")
 
 
-def test_unsupported_state_dict_types_and_bad_keys():
+def test_mismatched_state_dict_configs_and_bad_keys():
     run_distributed(_unsupported, 2)
 
 

@@ -19,7 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.distributed.tensor import DTensor
+
 from flatshard._common import clean_name, fsdp_modules, is_unit, join
+from flatshard._sharded_state_dict import is_sharded, to_dtensor, to_full
+from flatshard.api import StateDictType
 
 
 def optim_state_dict(
@@ -45,10 +49,12 @@ def optim_state_dict(
         )
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     entries, config = _optim_entries(model, optim, "optim_state_dict")
-    rank0_only = config.rank0_only if rank0_only is None else rank0_only
+    sharded = fsdp_modules(model)[0]._state_dict_type != StateDictType.FULL_STATE_DICT  # LOCAL: as torch, SHARDED
+    rank0_only = getattr(config, "rank0_only", False) if rank0_only is None else rank0_only
     offload_to_cpu = config.offload_to_cpu if offload_to_cpu is None else offload_to_cpu
     _check_same_state_keys(entries, osd)
     keep = not rank0_only or dist.get_rank() == 0
+    shape_of = _unit_param_shapes(entries) if sharded else {}
     state: dict[str, dict[str, Any]] = {}
     names_of: dict[int, list[str]] = {}
     orig_done: set[int] = set()
@@ -65,12 +71,17 @@ def optim_state_dict(
             full = {entry.names[0]: dict(values)} if entry.unit is None else _unflatten_state(entry, values)
         if keep:
             for name, per_param in full.items():
-                if per_param:
-                    state[name] = {
-                        k: (v.detach().clone().cpu() if offload_to_cpu else v.detach().clone())
-                        if isinstance(v, torch.Tensor) else v
-                        for k, v in per_param.items()
-                    }
+                if not per_param:
+                    continue
+                if name in shape_of:  # SHARDED: per-element state as DTensors ([Note: Sharded state dicts])
+                    per_param = {k: to_dtensor(v, entry.unit, offload_to_cpu)
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == shape_of[name] else v
+                                 for k, v in per_param.items()}
+                state[name] = {
+                    k: v if isinstance(v, DTensor) or not isinstance(v, torch.Tensor)
+                    else (v.detach().clone().cpu() if offload_to_cpu else v.detach().clone())
+                    for k, v in per_param.items()
+                }
     if not keep:
         return {}
     groups = []
@@ -103,7 +114,7 @@ def optim_state_dict_to_load(
             "implemented in flatshard."
         )
     entries, config = _optim_entries(model, optim, "optim_state_dict_to_load")
-    if config.rank0_only if from_rank0 is None else from_rank0:
+    if getattr(config, "rank0_only", False) if from_rank0 is None else from_rank0:
         if dist.get_rank() == 0:  # on the CPU: pickled tensors would land on rank 0's device
             optim_state_dict = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: t.detach().cpu(), optim_state_dict
@@ -118,6 +129,12 @@ def optim_state_dict_to_load(
             f"{type(optim_state_dict).__name__} with keys {sorted(optim_state_dict) if isinstance(optim_state_dict, dict) else '-'}"
         )
     full_state = optim_state_dict["state"]
+    # SHARDED (DTensor) entries: their full values first ([Note: Sharded state dicts]); collective.
+    pairs = {(name, key): value for name, values in full_state.items() for key, value in values.items()}
+    if any(is_sharded(v) for v in pairs.values()):
+        full_state = {name: dict(values) for name, values in full_state.items()}
+        for (name, key), value in to_full(pairs).items():
+            full_state[name][key] = value
     known = {n for entry in entries for n in entry.names}
     unknown = [k for k in full_state if k not in known]
     if unknown:
@@ -165,6 +182,20 @@ def optim_state_dict_to_load(
     if load_directly:
         optim.load_state_dict(result)
     return result
+
+
+def _unit_param_shapes(entries: list[_OptimEntry]) -> dict[str, torch.Size]:
+    """Original name -> full shape, for every parameter a unit holds."""
+    shapes: dict[str, torch.Size] = {}
+    for entry in entries:
+        if entry.unit is None:
+            continue
+        layout_shapes = entry.unit._handle.layout.shapes
+        if entry.orig_index is not None:
+            shapes[entry.names[0]] = torch.Size(layout_shapes[entry.orig_index])
+        else:
+            shapes.update((n, torch.Size(shape)) for n, shape in zip(entry.names, layout_shapes))
+    return shapes
 
 
 class _OptimEntry:
@@ -380,7 +411,27 @@ def _orig_piece_state(entry: _OptimEntry, saved: dict[str, Any], device: torch.d
 # optim_state_dict_to_load; rekey_optim_state_dict switches the keys between the
 # original parameter names and their positions in the unwrapped model's
 # parameters() (OptimStateKeyType), e.g. to load into a model without FSDP; as
-# torch, each group's parameter list comes out sorted.
+# torch, each group's parameter list comes out sorted. sharded_optim_state_dict is
+# optim_state_dict as under SHARDED_STATE_DICT (DTensors; torch's are ShardedTensors
+# of the same chunks) and flatten_sharded_optim_state_dict is optim_state_dict_to_load.
+
+
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                             group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    units = fsdp_modules(model)
+    saved = [u._state_dict_type for u in units]
+    for u in units:
+        u._state_dict_type = StateDictType.SHARDED_STATE_DICT
+    try:
+        return optim_state_dict(model, optim, None, group, rank0_only=False)
+    finally:
+        for u, t in zip(units, saved):
+            u._state_dict_type = t
+
+
+def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
+                                     optim: torch.optim.Optimizer) -> dict[str, Any]:
+    return optim_state_dict_to_load(model, optim, sharded_optim_state_dict, from_rank0=False)
 
 
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,

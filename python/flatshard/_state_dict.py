@@ -24,18 +24,30 @@ from torch import nn
 from flatshard._common import clean_name, fsdp_modules
 from flatshard._full_params import summon_full_params
 from flatshard._mixed_precision import original_buffer_dtypes
-from flatshard.api import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings, StateDictType
+from flatshard._sharded_state_dict import is_sharded, prepare_local_load, sharded_or_local_state_dict, to_full
+from flatshard.api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 
 
 def state_dict(unit: Any, args: tuple, destination: Any, prefix: str, keep_vars: bool) -> Any:
     """See ``FullyShardedDataParallel.state_dict``."""
-    if unit._in_summon:
+    if unit._in_summon or unit.__dict__.get("_plain_state_dict"):
         return nn.Module.state_dict(unit, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
     if args:
         raise ValueError(
             "FullyShardedDataParallel.state_dict: positional arguments are not supported; pass "
             "destination=, prefix= and keep_vars= by name."
         )
+    if unit._state_dict_type != StateDictType.FULL_STATE_DICT:
+        return sharded_or_local_state_dict(unit, destination, prefix)
     config = unit._state_dict_config
     out = destination if destination is not None else collections.OrderedDict()
     keep = not config.rank0_only or dist.get_rank() == 0
@@ -86,6 +98,12 @@ def _pre_load_state_dict(unit: Any, state_dict: Any, prefix: str, *args: Any) ->
     # names to the wrapped ones; _post_load_state_dict writes the shards back.
     if unit._in_summon:
         return
+    if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT:
+        prepare_local_load(unit, state_dict, prefix)  # loads the shards as they are: no summon
+        return
+    # SHARDED state dicts (DTensors): their full values, then as a FULL one ([Note: Sharded state dicts]).
+    if any(is_sharded(v) for k, v in state_dict.items() if k.startswith(prefix)):
+        state_dict.update(to_full({k: v for k, v in state_dict.items() if k.startswith(prefix)}))
     stack = contextlib.ExitStack()
     stack.enter_context(summon_full_params(unit, writeback=True))
     unit.__dict__["_load_stack"] = stack
@@ -101,22 +119,29 @@ def _post_load_state_dict(unit: nn.Module, incompatible_keys: Any) -> None:
         stack.close()
 
 
+_CONFIGS = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
 def set_state_dict_type(
     module: nn.Module, state_dict_type: StateDictType, state_dict_config: Any, optim_state_dict_config: Any
 ) -> StateDictSettings:
     """See ``FullyShardedDataParallel.set_state_dict_type``."""
-    if state_dict_type != StateDictType.FULL_STATE_DICT:
+    if state_dict_type not in _CONFIGS:
         raise NotImplementedError(
             f"FullyShardedDataParallel.set_state_dict_type: {state_dict_type} is not implemented in "
-            f"flatshard yet; use StateDictType.FULL_STATE_DICT."
+            f"flatshard yet; use StateDictType.FULL_STATE_DICT or SHARDED_STATE_DICT."
         )
     configs = []
-    for config, cls in ((state_dict_config, FullStateDictConfig), (optim_state_dict_config, FullOptimStateDictConfig)):
+    for config, cls in zip((state_dict_config, optim_state_dict_config), _CONFIGS[state_dict_type]):
         config = cls() if config is None else config
         if not isinstance(config, cls):
             raise ValueError(
                 f"FullyShardedDataParallel.set_state_dict_type: expected a {cls.__name__} for "
-                f"FULL_STATE_DICT but got {config!r}"
+                f"{state_dict_type.name} but got {config!r}"
             )
         configs.append(config)
     state_dict_config, optim_state_dict_config = configs
@@ -125,6 +150,7 @@ def set_state_dict_type(
         raise ValueError("set_state_dict_type: expected a module with FSDP units but found none")
     previous = get_state_dict_type(module)
     for unit in units:
+        unit._state_dict_type = state_dict_type
         unit._state_dict_config = state_dict_config
         unit._optim_state_dict_config = optim_state_dict_config
     return previous
@@ -136,7 +162,7 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     if not units:
         raise ValueError("get_state_dict_type: expected a module with FSDP units but found none")
     unit = units[0]
-    return StateDictSettings(StateDictType.FULL_STATE_DICT, unit._state_dict_config, unit._optim_state_dict_config)
+    return StateDictSettings(unit._state_dict_type, unit._state_dict_config, unit._optim_state_dict_config)
 
 
 @contextlib.contextmanager

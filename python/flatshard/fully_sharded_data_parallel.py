@@ -205,6 +205,7 @@ class FullyShardedDataParallel(nn.Module):
         self._comm_hook: Callable | None = None  # see _comm_hooks.py
         self._comm_hook_state: object = None
         self._buffer_orig_dtypes: dict = {}
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config = FullStateDictConfig()
         self._optim_state_dict_config = FullOptimStateDictConfig()
         _state_dict.register_load_hooks(self)
@@ -350,7 +351,8 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------ state dicts
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """The full state dict under the original names (see [Note: State dicts]). Collective.
+        """The state dict of the type set by ``state_dict_type`` (FULL by default: full tensors under the
+        original names, see [Note: State dicts]; SHARDED: DTensors; LOCAL: flat shards). Collective.
 
         Also called by a plain parent module's ``state_dict()`` (with its
         ``destination`` and ``prefix``): the entries go there.
@@ -370,15 +372,15 @@ class FullyShardedDataParallel(nn.Module):
     ) -> StateDictSettings:
         """Sets the state dict type of every unit in ``module``; returns the previous settings (as torch).
 
-        flatshard implements StateDictType.FULL_STATE_DICT (torch's default) with
-        FullStateDictConfig and FullOptimStateDictConfig; other types raise
-        NotImplementedError.
+        FULL_STATE_DICT (torch's default), SHARDED_STATE_DICT and LOCAL_STATE_DICT, with
+        their configs as torch defines them (see [Note: Sharded state dicts] and [Note: Local
+        state dicts] in ``_sharded_state_dict.py``).
         """
         return _state_dict.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The state dict settings of the units in ``module`` (always FULL_STATE_DICT)."""
+        """The state dict settings of the units in ``module``."""
         return _state_dict.get_state_dict_type(module)
 
     @staticmethod
@@ -403,7 +405,8 @@ class FullyShardedDataParallel(nn.Module):
         Collective over every unit's group: every rank must call it.
         ``optim_state_dict`` defaults to ``optim.state_dict()``. The units'
         FullOptimStateDictConfig applies: ``offload_to_cpu`` (default True)
-        and ``rank0_only`` (other ranks get ``{}``).
+        and ``rank0_only`` (other ranks get ``{}``); under SHARDED_STATE_DICT (and
+        LOCAL, as torch) each per-element state is a DTensor, as the parameter's.
         """
         return _optim_state_dict.optim_state_dict(model, optim, optim_state_dict, group)
 
@@ -480,13 +483,17 @@ class FullyShardedDataParallel(nn.Module):
         return _optim_state_dict.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input,
                                                         optim)
 
-    def _sharded_optim_not_yet(*args: Any, **kwargs: Any) -> Any:  # noqa: N805
-        raise NotImplementedError(
-            "FullyShardedDataParallel.sharded_optim_state_dict / flatten_sharded_optim_state_dict: flatshard has "
-            "no sharded (ShardedTensor) optimizer state dicts yet; use FSDP.optim_state_dict() and "
-            "FSDP.optim_state_dict_to_load() (FULL_STATE_DICT)."
-        )
+    @staticmethod
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
+    ) -> dict[str, Any]:
+        """torch's older name for a SHARDED ``optim_state_dict`` (DTensors; see [Note: Older
+        optimizer-state functions])."""
+        return _optim_state_dict.sharded_optim_state_dict(model, optim, group)
 
-    sharded_optim_state_dict = staticmethod(_sharded_optim_not_yet)
-    flatten_sharded_optim_state_dict = staticmethod(_sharded_optim_not_yet)
-    del _sharded_optim_not_yet
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """A ``sharded_optim_state_dict`` as this rank's state for ``optim.load_state_dict``."""
+        return _optim_state_dict.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
