@@ -84,8 +84,9 @@ enum class ShardedState : std::uint8_t {
   kUnsharded = 2,   // buffer complete and visible to the compute stream
 };
 
-// Bytes of unsharded buffers alive across all FlatParams of this process, and
-// the peak since the last reset. Read by tests and benchmarks.
+// Bytes of unsharded buffers alive across all FlatParams of this process (also
+// the full-precision ones Scheduler::gather_full_precision returns), and the
+// peak since the last reset. Read by tests and benchmarks. Thread-safe.
 struct MemoryCounter {
   static std::int64_t unsharded_bytes();
   static std::int64_t peak_unsharded_bytes();

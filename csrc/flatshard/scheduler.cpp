@@ -1,6 +1,7 @@
 #include "flatshard/scheduler.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -11,6 +12,24 @@ namespace {
 constexpr const char* kRateLimitWait = "flatshard::rate_limit_wait";
 
 bool device_has_events(const c10::Device& device) { return device.type() != c10::DeviceType::CPU; }
+
+// `t` as a tensor whose bytes MemoryCounter counts until its storage is freed
+// (by whichever thread drops the last reference): the full-precision buffers
+// that summons, state dicts and exports hold are unsharded memory too.
+at::Tensor counted(at::Tensor t) {
+  const std::int64_t bytes = static_cast<std::int64_t>(t.nbytes());
+  MemoryCounter::add(bytes);
+  void* data = t.data_ptr();
+  const std::vector<std::int64_t> sizes = t.sizes().vec();
+  const at::TensorOptions options = t.options();
+  return at::from_blob(
+      data, sizes,
+      [owner = std::move(t), bytes](void*) mutable {
+        owner.reset();
+        MemoryCounter::add(-bytes);
+      },
+      options);
+}
 
 c10::Stream pool_stream(const c10::Device& device) {
   c10::impl::VirtualGuardImpl impl(device.type());
@@ -269,12 +288,12 @@ void Scheduler::accumulate_reduced_grad(FlatParam& unit, const at::Tensor& grad_
 at::Tensor Scheduler::gather_full_precision(FlatParam& unit) {
   const at::Tensor& shard = unit.local_shard();
   at::Tensor input = shard.detach().to(unit.compute_device());
-  if (unit.is_replicated()) return input.data_ptr() == shard.data_ptr() ? input.clone() : input;
+  if (unit.is_replicated()) return counted(input.data_ptr() == shard.data_ptr() ? input.clone() : input);
   RECORD_USER_SCOPE(unit.all_gather_range());
   at::Tensor full = at::empty({unit.layout().padded_numel()}, input.options());
   CommWork work = groups_of(unit).shard.all_gather(full, input);
   work.wait();
-  return full;
+  return counted(std::move(full));
 }
 
 void Scheduler::finish_grad_sync() {

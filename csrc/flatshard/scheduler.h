@@ -113,8 +113,9 @@ class Scheduler {
   // The whole flat parameter in the shard's own (full) precision on the
   // compute device, for summon_full_params and state dicts of units that
   // compute in another dtype or keep their shard on the host: a fresh tensor,
-  // all-gathered (copied when replicated) on the current stream. Collective
-  // for sharded units; blocks the host until done on the CPU.
+  // all-gathered (copied when replicated) on the current stream, counted by
+  // MemoryCounter until freed. Collective for sharded units; blocks the host
+  // until done on the CPU.
   at::Tensor gather_full_precision(FlatParam& unit);
   // A gradient shard reduced outside the scheduler (a communication hook, on
   // the current stream) into the unit's `.grad`, as the scheduler's own
