@@ -360,8 +360,17 @@ class FullyShardedDataParallel(nn.Module):
         return _state_dict.state_dict(self, args, destination, prefix, keep_vars)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Loads a full state dict (original names) into every rank's shards (see [Note: State dicts])."""
+        """Loads a state dict of the type set by ``state_dict_type`` into every rank's shards (see
+        [Note: State dicts]; a SHARDED one may come from another world size through DCP)."""
         return _state_dict.load_state_dict(self, state_dict, strict, assign)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """Called only by torch's ``torch.distributed.checkpoint.state_dict`` helpers, which would lose
+        optimizer state on a flatshard model: raises with the fix (see [Note: torch's state-dict
+        helpers] in ``checkpoint/_state_dict_api.py``)."""
+        from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
+
+        raise RuntimeError(TORCH_HELPERS_ERROR)
 
     @staticmethod
     def set_state_dict_type(
