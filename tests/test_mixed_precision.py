@@ -329,8 +329,10 @@ def _dtypes_on_the_wire(rank, world_size, reduce_dtype) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
+    # (the rank-divergence guard's int64 exchanges are not parameters or gradients)
     wire = sorted({(e["name"], e["args"]["Input type"][0]) for e in events
-                   if e.get("name", "").startswith("gloo:") and e.get("args", {}).get("Input type")})
+                   if e.get("name", "").startswith("gloo:") and e.get("args", {}).get("Input type")
+                   and e["args"]["Input type"][0] != "long int"})
     units = FSDP.fsdp_modules(model)
     with FSDP.summon_full_params(model):
         summoned = sorted({str(p.dtype) for p in model.parameters()})

@@ -67,6 +67,14 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def check_between_iterations(module: Any, what: str) -> None:
+    """Raises UsageError if a forward or backward of ``module``'s units is under way: ``what`` (a
+    collective of its own) would interleave with the step's collectives and train wrong."""
+    roots = [u.__dict__.get("_root") or u for u in fsdp_modules(module)]
+    if in_backward() or any(r.__dict__.get("_in_forward_call") for r in roots):
+        raise UsageError(f"{what}: called during forward or backward; call it between iterations.")
+
+
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _C, _orig_params
+from flatshard import _C, _orig_params, _rank_guard
 from flatshard._common import FLAT_PARAM, UsageError, fsdp_modules, in_backward, is_unit
 from flatshard._runtime import abort_backward, reshard
 
@@ -28,8 +28,10 @@ def summon_full_params(
     rank0_only: bool = False,
     offload_to_cpu: bool = False,
     with_grads: bool = False,
+    guard_phase: str | None = "summon_full_params()",
 ) -> Iterator[None]:
-    """See ``FullyShardedDataParallel.summon_full_params`` and [Note: Summoning]."""
+    """See ``FullyShardedDataParallel.summon_full_params`` and [Note: Summoning]. ``guard_phase``: how
+    the rank-divergence guard names the call (None: the caller ran the guard)."""
     roots = [module] if is_unit(module) else fsdp_modules(module, root_only=True)
     for root in roots:
         if root._is_root is None:
@@ -41,6 +43,9 @@ def summon_full_params(
             "summon_full_params: called during forward or backward; call it between iterations (or before "
             "the forward whose parameters it should show)."
         )
+    if guard_phase is not None and units:
+        for root in roots:
+            _rank_guard.check(root, guard_phase)
     for root in roots:
         if root._final_callback_queued:
             abort_backward(root)
@@ -239,6 +244,7 @@ def clip_grad_norm(root: Any, max_norm: float | int, norm_type: float | int = 2.
             f"FullyShardedDataParallel.clip_grad_norm_: expected the root unit but '{root._unit_name}' "
             f"is nested; call it on the outermost FSDP module."
         )
+    _rank_guard.check(root, "clip_grad_norm_()")
     norm_type = float(norm_type)
     sharded, replicated = [], []
     managed = set()

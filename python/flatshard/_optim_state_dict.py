@@ -21,7 +21,8 @@ from torch import nn
 
 from torch.distributed.tensor import DTensor
 
-from flatshard._common import clean_name, fsdp_modules, is_unit, join
+from flatshard import _rank_guard
+from flatshard._common import check_between_iterations, clean_name, fsdp_modules, is_unit, join
 from flatshard._sharded_state_dict import is_sharded, to_dtensor, to_full
 from flatshard.api import StateDictType
 
@@ -212,9 +213,11 @@ def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) ->
     units = fsdp_modules(model)
     if not units:
         raise ValueError(f"FullyShardedDataParallel.{what}: expected a model with FSDP units but found none")
+    check_between_iterations(model, f"FullyShardedDataParallel.{what}")
     for root in fsdp_modules(model, root_only=True):
         if root._is_root is None:
             root._lazy_init()
+        _rank_guard.check(root, f"{what}()")
     unit_of = {id(u._flat_param): u for u in units if u._handle is not None and not u._use_orig_params}
     orig_of = {id(p): (u, i) for u in units if u._handle is not None and u._use_orig_params
                for i, p in enumerate(u._orig_params)}

@@ -182,6 +182,10 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
         return recompute(unit, args, kwargs)
     root = unit._root
     if unit._is_root:
+        guard = root.__dict__.get("_rank_guard")
+        if guard is not None:  # see [Note: Rank-divergence guard]
+            guard.check(root, "forward")
+            guard.counted_forward()
         if root._final_callback_queued:
             abort_backward(root)
         if not root._in_iteration:
@@ -354,6 +358,9 @@ def prefetch(scheduler: Any, order: list, index: int, backward: bool) -> None:
 def queue_end_of_backward(root: Any) -> None:
     """Makes finish_backward run when the backward under way ends. Safe to call twice."""
     if not root._final_callback_queued:
+        guard = root.__dict__.get("_rank_guard")
+        if guard is not None and root._sync_gradients:  # see [Note: Rank-divergence guard]
+            guard.check(root, "backward")
         root._final_callback_queued = True
         root._backward_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))

@@ -39,7 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from flatshard._common import FLAT_PARAM, UsageError, clean_name, fsdp_modules, in_backward, join
+from flatshard import _rank_guard
+from flatshard._common import FLAT_PARAM, check_between_iterations, clean_name, fsdp_modules, join
 from flatshard._full_params import summon_full_params
 from flatshard._mixed_precision import original_buffer_dtypes
 from flatshard.api import StateDictType
@@ -124,9 +125,8 @@ def sharded_or_local_state_dict(unit: Any, destination: Any, prefix: str) -> Any
     """``unit.state_dict()`` under SHARDED_STATE_DICT or LOCAL_STATE_DICT (see the notes above). Collective."""
     if unit._is_root is None:
         unit._lazy_init()
-    if in_backward() or any(r.__dict__.get("_in_forward_call") for r in fsdp_modules(unit, root_only=True)):
-        raise UsageError("FullyShardedDataParallel.state_dict: called during forward or backward; call it "
-                         "between iterations.")
+    check_between_iterations(unit, "FullyShardedDataParallel.state_dict")
+    _rank_guard.check(unit, "state_dict()")
     config = unit._state_dict_config
     entries: dict[str, Any] = {}
     paths = {id(m): clean_name(path) for path, m in unit.named_modules()}
@@ -142,7 +142,7 @@ def sharded_or_local_state_dict(unit: Any, destination: Any, prefix: str) -> Any
             entries[join(paths[id(u)], FLAT_PARAM)] = _local_dtensor(u, config.offload_to_cpu)
             entries[join(paths[id(u)], LAYOUT_SUFFIX)] = _layout_record(u)
             continue
-        with summon_full_params(u, recurse=False, writeback=False):
+        with summon_full_params(u, recurse=False, writeback=False, guard_phase=None):
             for m, attr, _ in u._param_slots:
                 full = m._parameters[attr]
                 entries[join(paths[id(m)], attr)] = to_dtensor(full, u, config.offload_to_cpu)

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard._common import clean_name, fsdp_modules
+from flatshard import _rank_guard
+from flatshard._common import check_between_iterations, clean_name, fsdp_modules
 from flatshard._full_params import summon_full_params
 from flatshard._mixed_precision import original_buffer_dtypes
 from flatshard._sharded_state_dict import is_sharded, prepare_local_load, sharded_or_local_state_dict, to_full
@@ -51,7 +52,8 @@ def state_dict(unit: Any, args: tuple, destination: Any, prefix: str, keep_vars:
     config = unit._state_dict_config
     out = destination if destination is not None else collections.OrderedDict()
     keep = not config.rank0_only or dist.get_rank() == 0
-    with summon_full_params(unit, writeback=False):  # (also the lazy init, which casts buffers)
+    with summon_full_params(unit, writeback=False, guard_phase="state_dict()"):  # (also the lazy init,
+        # which casts buffers)
         buffer_dtypes = original_buffer_dtypes(unit)  # saved as they were before buffer_dtype
         summoned = {id(m._parameters[attr]) for u in fsdp_modules(unit) if u._handle is not None
                     for m, attr, _ in u._param_slots if m._parameters.get(attr) is not None}
@@ -98,6 +100,10 @@ def _pre_load_state_dict(unit: Any, state_dict: Any, prefix: str, *args: Any) ->
     # names to the wrapped ones; _post_load_state_dict writes the shards back.
     if unit._in_summon:
         return
+    if unit._is_root is None:
+        unit._lazy_init()
+    check_between_iterations(unit, "FullyShardedDataParallel.load_state_dict")
+    _rank_guard.check(unit, "load_state_dict()")
     if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT:
         prepare_local_load(unit, state_dict, prefix)  # loads the shards as they are: no summon
         return
@@ -105,7 +111,7 @@ def _pre_load_state_dict(unit: Any, state_dict: Any, prefix: str, *args: Any) ->
     if any(is_sharded(v) for k, v in state_dict.items() if k.startswith(prefix)):
         state_dict.update(to_full({k: v for k, v in state_dict.items() if k.startswith(prefix)}))
     stack = contextlib.ExitStack()
-    stack.enter_context(summon_full_params(unit, writeback=True))
+    stack.enter_context(summon_full_params(unit, writeback=True, guard_phase=None))
     unit.__dict__["_load_stack"] = stack
     for actual in nn.Module.state_dict(unit, keep_vars=True):
         clean = clean_name(actual)

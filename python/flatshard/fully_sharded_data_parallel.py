@@ -30,6 +30,7 @@ from flatshard import (
     _mixed_precision,
     _optim_state_dict,
     _orig_params,
+    _rank_guard,
     _runtime,
     _state_dict,
 )
@@ -263,6 +264,9 @@ class FullyShardedDataParallel(nn.Module):
         out = super()._apply(fn, recurse)
         if cast:
             self._handle.after_shard_cast()
+            guard = _rank_guard.guard_of(self)
+            if guard is not None:
+                guard.model_changed()
             if self._use_orig_params:
                 _orig_params.use_sharded_views(self)
                 _orig_params.use_grad_views(self)

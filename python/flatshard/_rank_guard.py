@@ -1,0 +1,235 @@
+"""The rank-divergence guard: ranks that are about to run different collectives raise, all of them,
+with an error naming the ranks and what differs, instead of hanging or aborting in the backend.
+
+[Note: Rank-divergence guard]
+Collectives pair up by order: if one rank runs a no-grad evaluation forward, enters
+``no_sync()``, skips a backward or a whole step, or wraps another model while its peers do
+not, its collectives meet theirs mismatched. Then NCCL and gloo hang until the group's
+timeout, or gloo kills the process (SIGABRT) on a size mismatch, or, worse, the sizes
+happen to agree and training goes on wrong. So before each phase that issues collectives
+(every call of the root's forward, the first backward hook of an iteration outside
+``no_sync()``, and ``state_dict()``, ``load_state_dict()``, ``summon_full_params()``,
+``clip_grad_norm_()`` and the optimizer-state-dict functions), every rank exchanges a
+fingerprint of what it is about to do: a fixed-size int64 vector (the phase, how many
+forwards the root ran, grad enabled, inside ``no_sync()``, and a hash of the model as
+wrapped: every unit's name, parameter shapes, dtype, shard factor, strategy, mixed
+precision and offload). The exchange is one all-gather of 64 bytes per rank over a gloo
+group of its own (created with the root's ranks and timeout at lazy init), so that it
+only ever meets other guards' exchanges: whatever the ranks are doing, the vectors pair up
+and have the same size. If any differs, every rank sees it, and all of them gather the
+readable descriptions (a second exchange, only then) and raise the same
+``RankDivergenceError``, e.g. "rank 1 runs forward without grad while rank 0 runs forward
+with grad". ``FLATSHARD_RANK_GUARD=0`` turns it off; its cost per iteration is in
+benchmarks/RESULTS.md. ``FLATSHARD_RANK_GUARD=strict`` also checks each collective (see
+[Note: Collective sequence check] in csrc/flatshard/scheduler.h).
+
+What it cannot see: ranks that agree on every phase but not within one (a unit run on one
+rank only, as data-dependent mixture-of-experts routing can do): the strict mode is for
+that. A rank whose backward raised after its first reduction left its peers waiting on
+collectives it will not issue: they fail at the group's timeout, with the unit's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankDivergenceError"]
+
+ENV = "FLATSHARD_RANK_GUARD"
+_PHASES = ["forward", "backward", "state_dict()", "load_state_dict()", "summon_full_params()",
+           "clip_grad_norm_()", "optim_state_dict()", "optim_state_dict_to_load()"]
+_WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), reserved (2)
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks were about to run different collectives (see [Note: Rank-divergence guard])."""
+
+
+def mode() -> str:
+    """``off``, ``on`` (the default) or ``strict``, from FLATSHARD_RANK_GUARD."""
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    if value == "strict":
+        return "strict"
+    if value in ("1", "on", "true", "yes", ""):
+        return "on"
+    raise ValueError(f"{ENV}={value!r}: expected 0 (off), 1 (on, the default) or strict")
+
+
+def group_timeout(group: Any) -> timedelta:
+    """The timeout ``group`` was created with (gloo or NCCL), else torch's default."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return dist.default_pg_timeout
+
+
+class RankGuard:
+    """One root's guard: its gloo group and what it counted."""
+
+    def __init__(self, root: Any) -> None:
+        ranks = set(dist.get_process_group_ranks(root._process_group))
+        if root._replicate_group is not None:  # every shard group of the replicas: the whole (replicate, shard) mesh
+            theirs: list[Any] = [None] * dist.get_world_size(root._replicate_group)
+            dist.all_gather_object(theirs, sorted(ranks), group=root._replicate_group)
+            ranks = {r for group in theirs for r in group}
+        self.ranks = sorted(ranks)
+        self.group = None
+        if len(self.ranks) > 1:
+            self.group = dist.new_group(self.ranks, backend="gloo", timeout=group_timeout(root._process_group),
+                                        use_local_synchronization=True)
+        self.forwards = 0
+        self._model: tuple[list[int], list[Any]] | None = None
+        self._mine = torch.zeros(_WIDTH, dtype=torch.int64)
+        self._all = torch.zeros(_WIDTH * len(self.ranks), dtype=torch.int64)
+
+    def model_changed(self) -> None:
+        """The units' dtypes changed (a cast after wrapping): describe them again."""
+        self._model = None
+
+    @torch.compiler.disable  # (a compiled forward calls it as it is: a graph break, as at every collective)
+    def check(self, root: Any, phase: str) -> None:
+        """Collective over the root's ranks: raises RankDivergenceError on every rank if any differs."""
+        if self.group is None:
+            return
+        grad = torch.is_grad_enabled() if phase in ("forward", "backward") else False
+        no_sync = not root._sync_gradients
+        words, description = self._model_fingerprint(root)
+        self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
+        try:
+            dist.all_gather_into_tensor(self._all, self._mine, group=self.group)
+        except RuntimeError as e:
+            raise RankDivergenceError(
+                f"flatshard: rank {dist.get_rank()} waited for its peers before {self._doing(phase, grad)} (the "
+                f"rank-divergence guard), and they did not all come within the group's timeout: a peer is stuck "
+                f"in other work (e.g. a collective this rank skipped, or a barrier), or has died. ({e})"
+            ) from e
+        rows = self._all.view(len(self.ranks), _WIDTH)
+        if bool((rows == rows[0]).all()):
+            return
+        mine = {"phase": phase, "doing": self._doing(phase, grad), "forwards": self.forwards, "grad": grad,
+                "no_sync": no_sync, "model": description}
+        everyone: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        raise RankDivergenceError(_explain(self.ranks, everyone))
+
+    def counted_forward(self) -> None:
+        self.forwards += 1
+
+    def _doing(self, phase: str, grad: bool) -> str:
+        if phase == "forward":
+            return f"forward {self.forwards + 1} {'with' if grad else 'without'} grad"
+        if phase == "backward":
+            return f"the backward of forward {self.forwards}"
+        return f"{phase} after {self.forwards} forwards"
+
+    def _model_fingerprint(self, root: Any) -> tuple[list[int], list[Any]]:
+        if self._model is None:
+            description = [_describe_unit(u) for u in root._units]
+            digest = hashlib.blake2b(repr(description).encode(), digest_size=16).digest()
+            words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
+            self._model = (words, description)
+        return self._model
+
+
+def _describe_unit(unit: Any) -> dict[str, Any]:
+    handle = unit._handle
+    mp = unit._mixed_precision
+    out: dict[str, Any] = {
+        "unit": unit._unit_name or "<root>",
+        "strategy": unit._sharding_strategy.name,
+        "mixed_precision": None if mp is None else (str(mp.param_dtype), str(mp.reduce_dtype), str(mp.buffer_dtype)),
+        "cpu_offload": bool(unit._offload_params),
+        "use_orig_params": bool(unit._use_orig_params),
+    }
+    if handle is not None:
+        out.update(parameters=list(unit._param_local_names), shapes=[list(s) for s in handle.layout.shapes],
+                   dtype=str(unit._flat_param.dtype), shard_factor=handle.layout.shard_factor)
+    return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def _split(ranks: list[int], values: list[Any]) -> list[tuple[Any, list[int]]]:
+    """(value, ranks holding it), the largest group last."""
+    groups: list[tuple[Any, list[int]]] = []
+    for rank, value in zip(ranks, values):
+        for v, members in groups:
+            if v == value:
+                members.append(rank)
+                break
+        else:
+            groups.append((value, [rank]))
+    return sorted(groups, key=lambda g: (len(g[1]), -g[1][0]))
+
+
+def _explain(ranks: list[int], everyone: list[dict[str, Any]]) -> str:
+    """Which ranks differ and how: what each is about to do, else how their models differ."""
+    head = "flatshard: ranks diverged (the rank-divergence guard stopped them before a mismatched collective): "
+    no_sync_differs = len({d["no_sync"] for d in everyone}) > 1
+
+    def doing(d: dict[str, Any]) -> str:
+        text = d["doing"] + (f" {'inside' if d['no_sync'] else 'outside'} no_sync()" if no_sync_differs else "")
+        return ("runs " if d["phase"] == "forward" else "is at ") + text
+
+    groups = _split(ranks, [doing(d) for d in everyone])
+    if len(groups) > 1:
+        def said(text: str, members: list[int]) -> str:
+            if len(members) > 1:  # plural verb
+                text = "run " + text[len("runs "):] if text.startswith("runs ") else "are at " + text[len("is at "):]
+            return f"{_ranks_text(members)} {text}"
+        return head + " while ".join(said(text, members) for text, members in groups) + "."
+    return head + _explain_models(ranks, [d["model"] for d in everyone])
+
+
+def _explain_models(ranks: list[int], models: list[list[dict[str, Any]]]) -> str:
+    counts = _split(ranks, [len(m) for m in models])
+    if len(counts) > 1:
+        return ("the models are wrapped differently: " + " while ".join(
+            f"{_ranks_text(r)} {'has' if len(r) == 1 else 'have'} {n} FSDP units ({', '.join(u['unit'] for u in models[ranks.index(r[0])])})"
+            for n, r in counts) + ". Build and wrap the same model on every rank (the same auto_wrap_policy, the "
+            "same number of blocks).")
+    for i in range(len(models[0])):
+        units = [m[i] for m in models]
+        for key in ("unit", "strategy", "parameters", "shapes", "dtype", "shard_factor", "mixed_precision",
+                    "cpu_offload", "use_orig_params"):
+            groups = _split(ranks, [u.get(key) for u in units])
+            if len(groups) > 1:
+                return (f"FSDP unit {i} ('{units[0]['unit']}' on rank {ranks[0]}) differs in {key}: " + " while ".join(
+                    f"{_ranks_text(r)} {'has' if len(r) == 1 else 'have'} {_short(v)}" for v, r in groups)
+                    + ". Build and wrap the same model, with the same settings, on every rank.")
+    return "the models differ (their fingerprints do not match)."
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+@torch.compiler.disable  # (lazy init may run inside a compiled forward: process groups are not traceable)
+def create(root: Any) -> RankGuard:
+    return RankGuard(root)
+
+
+def guard_of(unit: Any) -> RankGuard | None:
+    """The guard of ``unit``'s root (None when off or before lazy init)."""
+    root = unit.__dict__.get("_root")
+    return None if root is None else root.__dict__.get("_rank_guard")
+
+
+def check(unit: Any, phase: str) -> None:
+    """Runs the root's guard for ``phase``, if the guard is on. Collective."""
+    guard = guard_of(unit)
+    if guard is not None:
+        guard.check(unit._root, phase)

@@ -1,0 +1,194 @@
+"""Ranks that disagree raise, every one of them, with a message naming the ranks and what differs
+(see [Note: Rank-divergence guard]); none hangs, none aborts, none trains on.
+
+Each case runs with a run deadline (30 s) well under the process group's timeout (60 s): a
+case that only ended at the group's timeout, or hung, fails; a process abort fails too (the
+harness reports the signal). Without the guard these runs hang or abort (torch FSDP1 does
+the same; tests/test_robustness.py has the cases the guard does not need).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from _dist import run_distributed
+from models import MLP, Block, gpt_loss, local_slice, make_batch, make_gpt
+
+DEADLINE = 30.0
+
+
+def _model(rank, **changes):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    layers = changes.get("n_layers", 3)
+    dim = changes.get("dim", 16)
+    model = make_gpt(n_layers=layers, dim=dim)
+    if changes.get("double"):
+        model = model.double()
+    policy = ModuleWrapPolicy(changes.get("wrap", {Block}))
+    return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                sharding_strategy=changes.get("strategy", ShardingStrategy.FULL_SHARD))
+
+
+def _step(model, opt, step, rank, world_size, **kwargs):
+    loss = gpt_loss(model, *local_slice(make_batch(seed=step), rank, world_size))
+    loss.backward(**kwargs)
+    opt.step()
+    opt.zero_grad()
+
+
+MODEL_CASES = {
+    "wrap_policy": ({"wrap": {Block, MLP}}, r"the models are wrapped differently: rank 1 has 7 FSDP units \(<root>, "
+                                            r"blocks.0, blocks.0.mlp.*while rank 0 has 4 FSDP units"),
+    "width": ({"dim": 32}, r"FSDP unit 0 \('<root>' on rank 0\) differs in shapes: rank 1 has \[\[64, 32\]"),
+    "dtype": ({"double": True}, r"differs in dtype: rank 1 has 'torch.float64' while rank 0 has 'torch.float32'"),
+    "block_count": ({"n_layers": 4}, r"rank 1 has 5 FSDP units .* while rank 0 has 4 FSDP units"),
+    "strategy": ({"strategy": ShardingStrategy.SHARD_GRAD_OP},
+                 r"differs in strategy: rank 1 has 'SHARD_GRAD_OP' while rank 0 has 'FULL_SHARD'"),
+}
+
+
+def _model_case(rank, world_size, case):
+    from flatshard import RankDivergenceError
+
+    model = _model(rank, **(MODEL_CASES[case][0] if rank == 1 else {}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
+    with pytest.raises(RankDivergenceError, match=MODEL_CASES[case][1]):
+        _step(model, opt, 0, rank, world_size)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_ranks_with_different_models_raise(case):
+    seconds = run_distributed(_model_case, 2, case, timeout=DEADLINE)
+    assert max(seconds) < 10, seconds
+
+
+def _no_sync_on_one_rank(rank, world_size):
+    from flatshard import RankDivergenceError
+
+    model = _model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    with pytest.raises(RankDivergenceError, match=r"rank 1 runs forward 2 with grad inside no_sync\(\) while "
+                                                  r"rank 0 runs forward 2 with grad outside no_sync\(\)"):
+        if rank == 1:
+            with model.no_sync():
+                gpt_loss(model, *make_batch(seed=1)).backward()
+        else:
+            _step(model, opt, 1, rank, world_size)
+
+
+def _no_grad_forward_on_one_rank(rank, world_size):
+    from flatshard import RankDivergenceError
+
+    model = _model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    with pytest.raises(RankDivergenceError, match=r"rank 0 runs forward 2 without grad while ranks 1, 2, 3 run "
+                                                  r"forward 2 with grad"):
+        if rank == 0:  # an evaluation on rank 0 only
+            with torch.no_grad():
+                model(make_batch()[0])
+        _step(model, opt, 1, rank, world_size)
+
+
+def _skips_batch_after_backward_raised(rank, world_size):
+    from flatshard import RankDivergenceError
+
+    model = _model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    with pytest.raises(RankDivergenceError, match=r"rank 1 runs forward 3 with grad while rank 0 is at the "
+                                                  r"backward of forward 2"):
+        for step in (1, 2):
+            loss = gpt_loss(model, *local_slice(make_batch(seed=step), rank, world_size))
+            if rank == 1 and step == 1:
+                loss.register_hook(lambda grad: (_ for _ in ()).throw(FloatingPointError("loss is not finite")))
+            try:
+                loss.backward()
+            except FloatingPointError:
+                continue  # skip the batch
+            opt.step()
+            opt.zero_grad()
+
+
+def _skips_a_whole_step(rank, world_size):
+    from flatshard import RankDivergenceError
+
+    model = _model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RankDivergenceError, match=r"rank 1 is at state_dict\(\) after 3 forwards while rank 0 "
+                                                  r"runs forward 4 with grad"):
+        for step in range(4):
+            if rank == 1 and step == 2:
+                continue  # e.g. a batch this rank's loader could not produce
+            _step(model, opt, step, rank, world_size)
+        model.state_dict()  # the checkpoint at the end
+
+
+CASES = {"no_sync_on_one_rank": (_no_sync_on_one_rank, 2),
+         "no_grad_forward_on_one_rank": (_no_grad_forward_on_one_rank, 4),
+         "rank_skips_batch_after_its_backward_raised": (_skips_batch_after_backward_raised, 2),
+         "rank_skips_a_whole_step": (_skips_a_whole_step, 2)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ranks_that_run_differently_raise(case):
+    fn, world_size = CASES[case]
+    start = time.monotonic()
+    run_distributed(fn, world_size, timeout=DEADLINE)
+    assert time.monotonic() - start < 20
+
+
+def _guard_off(rank, world_size, value):
+    import os
+
+    os.environ["FLATSHARD_RANK_GUARD"] = value
+    try:
+        model = _model(rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _step(model, opt, 0, rank, world_size)
+        return "_rank_guard" in model.__dict__
+    finally:
+        del os.environ["FLATSHARD_RANK_GUARD"]
+
+
+def test_guard_can_be_turned_off():
+    assert run_distributed(_guard_off, 2, "0", timeout=DEADLINE) == [False, False]
+    assert run_distributed(_guard_off, 2, "1", timeout=DEADLINE) == [True, True]
+
+
+def _state_dict_in_forward(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    class LogsInForward(nn.Module):  # a logging callback that saves the weights mid-forward
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            root.state_dict()
+            return self.lin(x)
+
+    root = FSDP(LogsInForward())
+    opt = torch.optim.SGD(root.parameters(), lr=0.1)
+    for call in ("state_dict", "optim_state_dict", "load_state_dict"):
+        if call == "optim_state_dict":
+            LogsInForward.forward = lambda self, x: (FSDP.optim_state_dict(root, opt), self.lin(x))[1]
+        if call == "load_state_dict":
+            saved = root.state_dict()
+            LogsInForward.forward = lambda self, x: (root.load_state_dict(saved), self.lin(x))[1]
+        with pytest.raises(RuntimeError, match=r"called during forward or backward; call it between iterations"):
+            root(torch.ones(1, 2))
+
+
+def test_state_dict_functions_inside_forward_raise():
+    run_distributed(_state_dict_in_forward, 2, timeout=DEADLINE)
