@@ -138,8 +138,8 @@ def test_full_disk_mid_save_leaves_previous_checkpoint(tmp_path):
     _assert_same_weights(run_distributed(_load, 2, path, timeout=120)[0], good, "after ENOSPC mid-save")
 
 
-def _load_expecting(rank, world_size, path, pattern):
-    with pytest.raises(ValueError, match=pattern):
+def _load_expecting(rank, world_size, path, error, pattern):
+    with pytest.raises(error, match=pattern):
         _load(rank, world_size, path)
 
 
@@ -147,7 +147,7 @@ def test_load_refuses_incomplete_directory(tmp_path):
     interrupted = tmp_path / "interrupted"
     interrupted.mkdir()
     (interrupted / "__0_0.distcp").write_bytes(b"\0" * 100)
-    run_distributed(_load_expecting, 1, str(interrupted),
+    run_distributed(_load_expecting, 1, str(interrupted), ValueError,
                     r"interrupted is not a complete checkpoint: it has neither flatshard's completion record "
                     r"nor DCP's .metadata", timeout=60)
     # A flatshard checkpoint whose data file was truncated afterwards (e.g. a bad copy).
@@ -156,7 +156,11 @@ def test_load_refuses_incomplete_directory(tmp_path):
     data = os.path.join(path, "__1_0.distcp")
     with open(data, "r+b") as f:
         f.truncate(os.path.getsize(data) // 2)
-    run_distributed(_load_expecting, 2, path, r"__1_0.distcp has \d+ bytes but was saved with \d+", timeout=60)
+    run_distributed(_load_expecting, 2, path, ValueError, r"__1_0.distcp has \d+ bytes but was saved with \d+",
+                    timeout=60)
+    # None at all: FileNotFoundError (a resume script's "start fresh" case), on every rank.
+    run_distributed(_load_expecting, 2, str(tmp_path / "never_saved"), FileNotFoundError,
+                    r"no checkpoint directory at .*never_saved", timeout=60)
 
 
 def test_keep_last_and_overwrite(tmp_path):
@@ -169,13 +173,13 @@ def test_keep_last_and_overwrite(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step_2", "step_3"]
 
 
-def _save_keep_last(rank, world_size, path, steps):
+def _save_keep_last(rank, world_size, path, steps, keep_last=2):
     from flatshard.checkpoint import get_state_dict, save
 
     _, model, opt = _build()
     _train(model, opt, range(steps), rank, world_size)
     model_sd, optim_sd = get_state_dict(model, opt)
-    save({"model": model_sd, "optim": optim_sd}, path, keep_last=2)
+    save({"model": model_sd, "optim": optim_sd}, path, keep_last=keep_last)
 
 
 def _load_with_warning(rank, world_size, path):
@@ -194,3 +198,42 @@ def test_load_finds_checkpoint_moved_aside(tmp_path):
     good = run_distributed(_save, 2, path, 2, timeout=120)[0]
     os.rename(path, str(tmp_path / ".ckpt.flatshard-old-0123456789ab"))
     _assert_same_weights(run_distributed(_load_with_warning, 2, path, timeout=120)[0], good, "moved aside")
+
+
+def _save_expecting(rank, world_size, path, keep_last, error, pattern):
+    with pytest.raises(error, match=pattern):
+        _save_keep_last(rank, world_size, path, 1, keep_last)
+
+
+def test_save_refuses_bad_paths(tmp_path):
+    (tmp_path / "run1").mkdir()
+    run_distributed(_save_expecting, 2, str(tmp_path / "run2"), 1, ValueError,
+                    r"keep_last keeps the newest of a series of checkpoints named with a step number after '_', "
+                    r"'-' or '.' \(e.g. ckpt/step_1000\), but the path's name is 'run2'", timeout=60)
+    os.symlink(str(tmp_path / "run1"), str(tmp_path / "latest"))
+    run_distributed(_save_expecting, 2, str(tmp_path / "latest"), None, ValueError,
+                    r"latest exists and is not a directory \(a symlink or a file\)", timeout=60)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "run1"]  # nothing written, nothing deleted
+
+
+def _save_on_unshared_disk(rank, world_size, path, elsewhere):
+    """Rank 1 writes its files where rank 0 cannot see them (as a node-local disk would)."""
+    from torch.distributed.checkpoint import filesystem
+
+    if rank == 1:
+        original = filesystem.FileSystemWriter.__init__
+
+        def local_disk(self, path, *args, **kwargs):
+            original(self, elsewhere, *args, **kwargs)
+
+        filesystem.FileSystemWriter.__init__ = local_disk
+    with pytest.raises(OSError, match=r"lacks \['__1_0.distcp'\], which its .metadata refers to; the previous "
+                                      r"checkpoint at .*ckpt, if any, is intact"):
+        _save(rank, world_size, path, 3)
+
+
+def test_save_refuses_a_directory_not_every_rank_shares(tmp_path):
+    path = str(tmp_path / "ckpt")
+    good = run_distributed(_save, 2, path, 2, timeout=120)[0]
+    run_distributed(_save_on_unshared_disk, 2, path, str(tmp_path / "node_local"), timeout=120)
+    _assert_same_weights(run_distributed(_load, 2, path, timeout=120)[0], good, "after the refused save")
