@@ -1,6 +1,9 @@
 #include "flatshard/scheduler.h"
 
 #include <ATen/ops/empty.h>
+#include <chrono>
+#include <thread>
+#include <utility>
 #include <ATen/ops/from_blob.h>
 #include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
@@ -307,6 +310,24 @@ void Scheduler::finish_grad_sync() {
   current_stream().synchronize();
   for (FlatParam* unit : offloaded_) unit->add_offloaded_grads();
   offloaded_.clear();
+}
+
+std::pair<bool, bool> Scheduler::drain(double timeout_seconds) {
+  std::vector<const CommWork*> works;
+  for (auto* queue : {&reductions_, &replica_reductions_}) {
+    for (const PendingReduction& record : *queue) works.insert(works.end(), {&record.shard_work, &record.replica_work});
+  }
+  for (const auto& [unit, work] : all_gathers_) works.push_back(work.get());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
+  bool had_any = false;
+  for (const CommWork* work : works) {
+    had_any = had_any || !work->is_completed();
+    while (!work->is_completed()) {
+      if (std::chrono::steady_clock::now() > deadline) return {false, had_any};
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return {true, had_any};
 }
 
 void Scheduler::abort_grad_sync() {

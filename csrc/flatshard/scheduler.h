@@ -128,6 +128,12 @@ class Scheduler {
   // collectives were issued and must complete) and discards its result.
   // Blocks. `.grad` keeps what earlier completed reductions wrote.
   void abort_grad_sync();
+  // At interpreter exit (see [Note: Exit] in python/flatshard/_runtime.py):
+  // waits, up to `timeout_seconds`, for every collective this scheduler has in
+  // flight, without changing any state; returns whether they all completed and
+  // whether there were any (as {completed, had_any}). Blocks; never throws for
+  // a collective's failure (a failed one counts as completed).
+  std::pair<bool, bool> drain(double timeout_seconds);
   std::int64_t pending_reductions() const {
     return static_cast<std::int64_t>(reductions_.size() + replica_reductions_.size());
   }

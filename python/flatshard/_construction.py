@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _C, _mixed_precision, _orig_params, _rank_guard
+from flatshard import _C, _mixed_precision, _orig_params, _rank_guard, _runtime
 from flatshard._common import FLAT_PARAM, HYBRID, OWNER_ATTR, clean_name, is_unit, join
 from flatshard.api import ShardingStrategy
 
@@ -327,6 +327,7 @@ def lazy_init(root: Any) -> None:
         _mixed_precision.cast_buffers(unit, list(unit_modules(unit._fsdp_wrapped_module, unit._ignored_modules)))
     root._units = [u for _, u in units]
     root._orig_param_units = [u for u in root._units if u._use_orig_params and u._handle is not None]
+    _runtime.register_for_exit(root)  # see [Note: Exit] in _runtime.py
     if _rank_guard.mode() != "off":  # see [Note: Rank-divergence guard]
         root.__dict__["_rank_guard"] = _rank_guard.create(root)
 
