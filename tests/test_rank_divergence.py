@@ -192,3 +192,27 @@ def _state_dict_in_forward(rank, world_size):
 
 def test_state_dict_functions_inside_forward_raise():
     run_distributed(_state_dict_in_forward, 2, timeout=DEADLINE)
+
+
+def _unit_skipped_on_one_rank(rank, world_size):
+    """Rank 1 skips blocks.1 in its forward (as data-dependent routing can): every phase agrees, so the
+    per-phase guard passes; blocks.1 and blocks.2 gather the same number of bytes, so without the
+    strict mode their all-gathers would pair up and train wrong. The strict mode names them."""
+    import os
+
+    os.environ["FLATSHARD_RANK_GUARD"] = "strict"
+    model = _model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    if rank == 1:
+        block = model.module.blocks[1]
+        block.forward = lambda x, *args, **kwargs: x
+    with pytest.raises(RuntimeError, match=r"ranks issue different collectives \(FLATSHARD_RANK_GUARD=strict.*"
+                                           r"rank 0 of the group, collective #\d+: all_gather of unit 'blocks.1' "
+                                           r"\(\d+ bytes\); rank 1 of the group, collective #\d+: all_gather of "
+                                           r"unit 'blocks.2'"):
+        _step(model, opt, 1, rank, world_size)
+
+
+def test_strict_mode_names_mismatched_collectives():
+    run_distributed(_unit_skipped_on_one_rank, 2, timeout=DEADLINE)

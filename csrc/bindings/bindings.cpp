@@ -160,6 +160,7 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("finish_grad_sync", &Scheduler::finish_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def("abort_grad_sync", &Scheduler::abort_grad_sync, py::call_guard<py::gil_scoped_release>())
+      .def("set_sequence_check", &Scheduler::set_sequence_check, py::arg("on"))
       .def("drain", &Scheduler::drain, py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pending_reductions", &Scheduler::pending_reductions)
       .def_property_readonly("pending_all_gathers", &Scheduler::pending_all_gathers)

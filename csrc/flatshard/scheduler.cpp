@@ -1,6 +1,10 @@
 #include "flatshard/scheduler.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <algorithm>
+#include <cstring>
+#include <functional>
 #include <chrono>
 #include <thread>
 #include <utility>
@@ -146,6 +150,7 @@ void Scheduler::unshard(FlatParam& unit) {
     at::Tensor output = unit.all_gather_target();
     // Cast and copied to the device here, on this stream (see [Note: Mixed precision and offload]).
     at::Tensor input = unit.all_gather_input();
+    check_sequence(groups_of(unit).shard, unit, "all_gather", input.nbytes());
     work = std::make_shared<CommWork>(groups_of(unit).shard.all_gather(output, input));
   }
   if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
@@ -217,11 +222,13 @@ void Scheduler::reduce_grad(FlatParam& unit, double predivide, double postdivide
     record.grad_shard = record.flat_grad;
     if (groups.shard.size() > 1) {
       RECORD_USER_SCOPE(unit.all_reduce_range());
+      check_sequence(groups.shard, unit, "all_reduce", record.grad_shard.nbytes());
       record.shard_work = groups.shard.all_reduce_sum(record.grad_shard);
     }
   } else {
     RECORD_USER_SCOPE(unit.reduce_scatter_range());
     record.grad_shard = at::empty({unit.layout().shard_numel()}, record.flat_grad.options());
+    check_sequence(groups.shard, unit, "reduce_scatter", record.flat_grad.nbytes());
     record.shard_work = groups.shard.reduce_scatter_sum(record.grad_shard, record.flat_grad);
     // The collective holds the input itself (gloo) and drops it when done,
     // rather than when the host next completes reductions.
@@ -259,6 +266,7 @@ void Scheduler::complete_shard_reduction() {
     stream_wait(all_reduce_stream_, reduce_scatter_stream_);
     c10::StreamGuard stream_guard(all_reduce_stream_);
     RECORD_USER_SCOPE(record.unit->all_reduce_range());
+    check_sequence(*replicate, *record.unit, "replica all_reduce", record.grad_shard.nbytes());
     record.replica_work = replicate->all_reduce_sum(record.grad_shard);
   }
   replica_reductions_.push_back(std::move(record));
@@ -294,6 +302,7 @@ at::Tensor Scheduler::gather_full_precision(FlatParam& unit) {
   if (unit.is_replicated()) return counted(input.data_ptr() == shard.data_ptr() ? input.clone() : input);
   RECORD_USER_SCOPE(unit.all_gather_range());
   at::Tensor full = at::empty({unit.layout().padded_numel()}, input.options());
+  check_sequence(groups_of(unit).shard, unit, "full-precision all_gather", input.nbytes());
   CommWork work = groups_of(unit).shard.all_gather(full, input);
   work.wait();
   return counted(std::move(full));
@@ -310,6 +319,42 @@ void Scheduler::finish_grad_sync() {
   current_stream().synchronize();
   for (FlatParam* unit : offloaded_) unit->add_offloaded_grads();
   offloaded_.clear();
+}
+
+void Scheduler::check_sequence(Collectives& group, const FlatParam& unit, const char* op, std::size_t bytes) {
+  if (!sequence_check_ || group.size() < 2) return;
+  std::int64_t& count = sequence_[group.group().get()];
+  ++count;
+  const std::string what = std::string(op) + " of unit '" + (unit.name().empty() ? "<root>" : unit.name()) +
+                           "' (" + std::to_string(bytes) + " bytes)";
+  const auto on_device = at::TensorOptions().dtype(at::kLong).device(device_);
+  at::Tensor mine = at::empty({2}, at::kLong);
+  mine.data_ptr<std::int64_t>()[0] = static_cast<std::int64_t>(std::hash<std::string>{}(what));
+  mine.data_ptr<std::int64_t>()[1] = count;
+  at::Tensor input = mine.to(device_);
+  at::Tensor all = at::empty({2 * group.size()}, on_device);
+  group.all_gather(all, input).wait();
+  at::Tensor host = all.cpu();
+  const std::int64_t* rows = host.data_ptr<std::int64_t>();
+  bool same = true;
+  for (std::int64_t r = 1; r < group.size(); ++r) same = same && rows[2 * r] == rows[0] && rows[2 * r + 1] == rows[1];
+  if (same) return;
+  // Every rank of the group saw the difference: all of them exchange what they were about to do.
+  constexpr std::int64_t kText = 160;
+  at::Tensor text = at::zeros({kText}, at::kByte);
+  std::memcpy(text.data_ptr(), what.data(), std::min<std::size_t>(what.size(), kText - 1));
+  at::Tensor text_input = text.to(device_);
+  at::Tensor texts = at::empty({kText * group.size()}, at::TensorOptions().dtype(at::kByte).device(device_));
+  group.all_gather(texts, text_input).wait();
+  at::Tensor host_texts = texts.cpu();
+  std::string message = "flatshard: ranks issue different collectives (FLATSHARD_RANK_GUARD=strict, see [Note: "
+                        "Collective sequence check]): ";
+  for (std::int64_t r = 0; r < group.size(); ++r) {
+    const char* begin = reinterpret_cast<const char*>(host_texts.data_ptr<std::uint8_t>()) + r * kText;
+    message += (r ? "; " : "") + std::string("rank ") + std::to_string(r) + " of the group, collective #" +
+               std::to_string(rows[2 * r + 1]) + ": " + std::string(begin, strnlen(begin, kText));
+  }
+  TORCH_CHECK(false, message);
 }
 
 std::pair<bool, bool> Scheduler::drain(double timeout_seconds) {

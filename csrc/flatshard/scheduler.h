@@ -134,6 +134,16 @@ class Scheduler {
   // whether there were any (as {completed, had_any}). Blocks; never throws for
   // a collective's failure (a failed one counts as completed).
   std::pair<bool, bool> drain(double timeout_seconds);
+  // [Note: Collective sequence check]
+  // FLATSHARD_RANK_GUARD=strict: before each collective, the ranks of its group
+  // all-gather (hash of "op of unit 'name' (bytes)", the group's collective
+  // count); if any differs they exchange the descriptions and every rank
+  // throws c10::Error naming each rank's collective, instead of pairing
+  // mismatched collectives (a hang, or gloo's SIGABRT on a size mismatch).
+  // Catches what the per-phase guard cannot (a unit that runs on one rank
+  // only). Costs one small blocking collective per collective (a device
+  // synchronize on GPUs): for debugging. See [Note: Rank-divergence guard].
+  void set_sequence_check(bool on) { sequence_check_ = on; }
   std::int64_t pending_reductions() const {
     return static_cast<std::int64_t>(reductions_.size() + replica_reductions_.size());
   }
@@ -184,6 +194,10 @@ class Scheduler {
   std::deque<PendingReduction> replica_reductions_;  // replicate-group stage, at most one
   // Offloaded units whose reduced gradient waits for the end of backward to reach the host.
   std::unordered_set<FlatParam*> offloaded_;
+  // See [Note: Collective sequence check]; counts per process group.
+  void check_sequence(Collectives& group, const FlatParam& unit, const char* op, std::size_t bytes);
+  bool sequence_check_ = false;
+  std::unordered_map<const void*, std::int64_t> sequence_;
 };
 
 }  // namespace flatshard

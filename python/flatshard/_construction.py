@@ -328,8 +328,10 @@ def lazy_init(root: Any) -> None:
     root._units = [u for _, u in units]
     root._orig_param_units = [u for u in root._units if u._use_orig_params and u._handle is not None]
     _runtime.register_for_exit(root)  # see [Note: Exit] in _runtime.py
-    if _rank_guard.mode() != "off":  # see [Note: Rank-divergence guard]
+    guard_mode = _rank_guard.mode()
+    if guard_mode != "off":  # see [Note: Rank-divergence guard]
         root.__dict__["_rank_guard"] = _rank_guard.create(root)
+        scheduler.set_sequence_check(guard_mode == "strict")
 
 
 def materialize_meta(

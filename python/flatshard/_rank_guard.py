@@ -23,6 +23,14 @@ with grad". ``FLATSHARD_RANK_GUARD=0`` turns it off; its cost per iteration is i
 benchmarks/RESULTS.md. ``FLATSHARD_RANK_GUARD=strict`` also checks each collective (see
 [Note: Collective sequence check] in csrc/flatshard/scheduler.h).
 
+Every exchange completes before the phase's first collective, the backward's too:
+issued at the first backward hook and checked later (overlapping the root's own
+layers' backward), it would let that hook's prefetch all-gather go out first, and a
+peer that skipped this backward would never pair it: the group would stay poisoned
+for whatever the ranks do next (a barrier, a checkpoint). So each exchange is one
+blocking round trip, about 2 x gloo's small-message latency per step plus whatever
+skew between the ranks it absorbs; benchmarks/guard_cost.py measures it.
+
 What it cannot see: ranks that agree on every phase but not within one (a unit run on one
 rank only, as data-dependent mixture-of-experts routing can do): the strict mode is for
 that. A rank whose backward raised after its first reduction left its peers waiting on
@@ -88,6 +96,7 @@ class RankGuard:
             self.group = dist.new_group(self.ranks, backend="gloo", timeout=group_timeout(root._process_group),
                                         use_local_synchronization=True)
         self.forwards = 0
+        self.pending: tuple[Any, dict[str, Any]] | None = None  # an exchange issued, not yet checked
         self._model: tuple[list[int], list[Any]] | None = None
         self._mine = torch.zeros(_WIDTH, dtype=torch.int64)
         self._all = torch.zeros(_WIDTH * len(self.ranks), dtype=torch.int64)
@@ -99,25 +108,42 @@ class RankGuard:
     @torch.compiler.disable  # (a compiled forward calls it as it is: a graph break, as at every collective)
     def check(self, root: Any, phase: str) -> None:
         """Collective over the root's ranks: raises RankDivergenceError on every rank if any differs."""
+        self.start(root, phase)
+        self.finish()
+
+    @torch.compiler.disable
+    def start(self, root: Any, phase: str) -> None:
+        """Issues the exchange for ``phase`` without waiting (``finish`` checks it)."""
+        self.finish()
         if self.group is None:
             return
         grad = torch.is_grad_enabled() if phase in ("forward", "backward") else False
         no_sync = not root._sync_gradients
         words, description = self._model_fingerprint(root)
         self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
+        work = dist.all_gather_into_tensor(self._all, self._mine, group=self.group, async_op=True)
+        self.pending = (work, {"phase": phase, "doing": self._doing(phase, grad), "forwards": self.forwards,
+                               "grad": grad, "no_sync": no_sync, "model": description})
+
+    @torch.compiler.disable
+    def finish(self) -> None:
+        """Waits for the exchange ``start`` issued, if any, and raises RankDivergenceError on every rank if
+        any rank differs. Collective."""
+        if self.pending is None:
+            return
+        work, mine = self.pending
+        self.pending = None
         try:
-            dist.all_gather_into_tensor(self._all, self._mine, group=self.group)
+            work.wait()
         except RuntimeError as e:
             raise RankDivergenceError(
-                f"flatshard: rank {dist.get_rank()} waited for its peers before {self._doing(phase, grad)} (the "
+                f"flatshard: rank {dist.get_rank()} waited for its peers before {mine['doing']} (the "
                 f"rank-divergence guard), and they did not all come within the group's timeout: a peer is stuck "
                 f"in other work (e.g. a collective this rank skipped, or a barrier), or has died. ({e})"
             ) from e
         rows = self._all.view(len(self.ranks), _WIDTH)
         if bool((rows == rows[0]).all()):
             return
-        mine = {"phase": phase, "doing": self._doing(phase, grad), "forwards": self.forwards, "grad": grad,
-                "no_sync": no_sync, "model": description}
         everyone: list[Any] = [None] * len(self.ranks)
         dist.all_gather_object(everyone, mine, group=self.group)
         raise RankDivergenceError(_explain(self.ranks, everyone))
