@@ -380,3 +380,60 @@ def _round_trip(rank, world_size, setting, kind, path):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_round_trip_under_other_settings(setting, kind, tmp_path):
     run_distributed(_round_trip, 2, setting, kind, str(tmp_path / "ckpt"), timeout=120)
+
+
+def _sharded_load_peak(rank, world_size):
+    from flatshard import _C
+
+    FSDP = fsdp_class("flatshard")
+    saved = FSDP(make_gpt(n_layers=4), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    loaded = FSDP(make_gpt(n_layers=4, seed=3), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                  device_id=torch.device("cpu"))
+    units = [u for u in FSDP.fsdp_modules(loaded) if u._handle is not None]
+    largest = max(u._handle.layout.padded_numel * 4 for u in units)
+    whole = sum(u._handle.layout.padded_numel * 4 for u in units)
+    with FSDP.state_dict_type(saved, StateDictType.SHARDED_STATE_DICT):
+        state = saved.state_dict()
+    _C.reset_peak_unsharded_bytes()
+    with FSDP.state_dict_type(loaded, StateDictType.SHARDED_STATE_DICT):
+        result = loaded.load_state_dict(state)
+    peak = _C.peak_unsharded_bytes()
+    assert not result.missing_keys and not result.unexpected_keys, result
+    assert peak <= largest < whole, (peak, largest, whole)  # one unit at a time, not the model
+    with FSDP.summon_full_params(saved), FSDP.summon_full_params(loaded):
+        for (name, a), (_, b) in zip(saved.named_parameters(), loaded.named_parameters()):
+            assert torch.equal(a, b), name
+    # A key missing from the state dict is reported (strict), as torch's nn.Module does.
+    del state["blocks.1.mlp.fc.weight"]
+    with FSDP.state_dict_type(loaded, StateDictType.SHARDED_STATE_DICT):
+        with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"blocks.1.mlp.fc.weight\""):
+            loaded.load_state_dict(state)
+        assert loaded.load_state_dict(state, strict=False).missing_keys == ["blocks.1.mlp.fc.weight"]
+
+
+def test_sharded_load_gathers_one_unit_at_a_time():
+    run_distributed(_sharded_load_peak, 2, timeout=60)
+
+
+def _full_from_rank0(rank, world_size):
+    from flatshard.checkpoint import StateDictOptions, get_state_dict, set_state_dict
+
+    FSDP, saved, saved_opt = _build()
+    _train(saved, saved_opt, range(2), rank, world_size)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(saved, saved_opt, options=options)
+    assert (rank == 0) == bool(model_sd) and (rank == 0) == bool(optim_sd)  # rank 0 only, as torch
+    _, loaded, loaded_opt = _build(seed=7)
+    set_state_dict(loaded, loaded_opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _train(saved, saved_opt, range(2, 3), rank, world_size)
+    _train(loaded, loaded_opt, range(2, 3), rank, world_size)
+    with FSDP.summon_full_params(saved), FSDP.summon_full_params(loaded):
+        for (name, a), (_, b) in zip(saved.named_parameters(), loaded.named_parameters()):
+            assert torch.equal(a, b), name
+
+
+def test_full_state_dict_broadcast_from_rank0():
+    """StateDictOptions(full_state_dict=True, cpu_offload=True) on save (rank 0 holds it) and
+    broadcast_from_rank0=True on load: the other ranks get it tensor by tensor and train on the same."""
+    run_distributed(_full_from_rank0, 2, timeout=60)

@@ -130,12 +130,6 @@ def optim_state_dict_to_load(
             f"{type(optim_state_dict).__name__} with keys {sorted(optim_state_dict) if isinstance(optim_state_dict, dict) else '-'}"
         )
     full_state = optim_state_dict["state"]
-    # SHARDED (DTensor) entries: their full values first ([Note: Sharded state dicts]); collective.
-    pairs = {(name, key): value for name, values in full_state.items() for key, value in values.items()}
-    if any(is_sharded(v) for v in pairs.values()):
-        full_state = {name: dict(values) for name, values in full_state.items()}
-        for (name, key), value in to_full(pairs).items():
-            full_state[name][key] = value
     known = {n for entry in entries for n in entry.names}
     unknown = [k for k in full_state if k not in known]
     if unknown:
@@ -160,12 +154,16 @@ def optim_state_dict_to_load(
                 f"optimizer state."
             )
         device = entry.param.device
+        # SHARDED (DTensor) entries: this entry's full values only, one entry at a time ([Note: Sharded
+        # state dicts]); collective, in the optimizer's order on every rank.
+        current = _with_full_values(full_state, names)
         if entry.orig_index is not None:
-            state[index] = _orig_piece_state(entry, full_state[names[0]], device)
+            state[index] = _orig_piece_state(entry, current[names[0]], device)
         elif entry.unit is None:
-            state[index] = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in full_state[names[0]].items()}
+            state[index] = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in current[names[0]].items()}
         else:
-            state[index] = _flatten_state(entry, [full_state[n] for n in names], device)
+            state[index] = _flatten_state(entry, [current[n] for n in names], device)
+        del current
     groups = []
     saved_groups = optim_state_dict["param_groups"]
     if len(saved_groups) != len(optim.param_groups):
@@ -183,6 +181,21 @@ def optim_state_dict_to_load(
     if load_directly:
         optim.load_state_dict(result)
     return result
+
+
+def _with_full_values(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """``state`` with the DTensors (or ShardedTensors) of ``names``' entries as full tensors (a copy where
+    anything changes; the caller's dict is left as it was). Collective."""
+    pairs = {(name, key): value for name in names for key, value in state.get(name, {}).items()}
+    if not any(is_sharded(v) for v in pairs.values()):
+        return state
+    state = dict(state)
+    for name in names:
+        if name in state:
+            state[name] = dict(state[name])
+    for (name, key), value in to_full(pairs).items():
+        state[name][key] = value
+    return state
 
 
 def _unit_param_shapes(entries: list[_OptimEntry]) -> dict[str, torch.Size]:

@@ -55,6 +55,10 @@ _PHASES = ["forward", "backward", "state_dict()", "load_state_dict()", "summon_f
 _WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), reserved (2)
 
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class RankDivergenceError(RuntimeError):
     """Ranks were about to run different collectives (see [Note: Rank-divergence guard])."""
 
@@ -121,7 +125,7 @@ class RankGuard:
         no_sync = not root._sync_gradients
         words, description = self._model_fingerprint(root)
         self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
-        work = dist.all_gather_into_tensor(self._all, self._mine, group=self.group, async_op=True)
+        work = _all_gather(self._all, self._mine, group=self.group, async_op=True)
         self.pending = (work, {"phase": phase, "doing": self._doing(phase, grad), "forwards": self.forwards,
                                "grad": grad, "no_sync": no_sync, "model": description})
 

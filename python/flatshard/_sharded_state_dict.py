@@ -9,9 +9,12 @@ over the (replicate, shard) mesh): the full parameter split along its first
 dimension as ``DTensor.redistribute`` splits it (rank r keeps chunk r; ranks past
 the last chunk hold an empty tensor). This is not flatshard's flat layout, so
 saving gathers each unit's full parameters (one unit at a time) and cuts them
-again; loading gathers each DTensor to its full value (``full_tensor``) and loads
-that as a FULL state dict. DCP reads these DTensors at any world size: saved at
-W=4, loaded at W=2, the target DTensors describe the same global tensors.
+again; loading does the reverse one unit at a time too (``load_sharded``): the
+unit's DTensors to full values (``full_tensor``), copied into its summoned
+parameters, written back, dropped, so that the extra memory is one unit's, as
+with torch's FSDP1 (the optimizer's state likewise, one flat parameter at a time).
+DCP reads these DTensors at any world size: saved at W=4, loaded at W=2, the
+target DTensors describe the same global tensors.
 Buffers and ignored parameters stay plain tensors (the same on every rank).
 
 [Note: Local state dicts]
@@ -250,7 +253,50 @@ def prepare_local_load(unit: Any, state_dict: dict[str, Any], prefix: str) -> No
                 state_dict.setdefault(prefix + join(paths[id(m)], attr), m._parameters[attr])
         else:  # the flat parameter is registered: likewise
             state_dict[name] = u._flat_param
-    for actual, _ in [*nn.Module.named_parameters(unit, remove_duplicate=False),  # to the wrapped names
+    rename_to_wrapped(unit, state_dict, prefix)
+
+
+def load_sharded(unit: Any, state_dict: dict[str, Any], prefix: str) -> list[str]:
+    """Before ``load_state_dict`` of a SHARDED_STATE_DICT: one unit at a time, gathers its entries' full
+    values and copies them into its summoned parameters, so that the extra memory is one unit's (see
+    [Note: Sharded state dicts]); leaves the (renamed) rest to ``nn.Module``'s loading. Returns the
+    parameters' keys the state dict lacks. Collective."""
+    paths = {id(m): clean_name(path) for path, m in unit.named_modules()}
+    missing: list[str] = []
+    for u in fsdp_modules(unit):
+        if u._handle is None:
+            continue
+        keys = [prefix + join(paths[id(m)], attr) for m, attr, _ in u._param_slots]
+        missing += [k for k in keys if k not in state_dict]
+        full = to_full({k: state_dict[k] for k in keys if k in state_dict})  # same keys on every rank
+        with summon_full_params(u, recurse=False, writeback=True, guard_phase=None), torch.no_grad():
+            for (m, attr, _), key in zip(u._param_slots, keys):
+                if key not in full:
+                    continue
+                param, value = m._parameters[attr], full[key]
+                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                    raise RuntimeError(
+                        f"Error(s) in loading state_dict for {type(unit).__name__}: size mismatch for {key}: "
+                        f"copying a param with shape {tuple(getattr(value, 'shape', ()))} from checkpoint, the "
+                        f"shape in current model is {tuple(param.shape)}.")
+                param.copy_(value)
+        del full
+        if u is not unit:  # its own pre-load hook, which runs next, has nothing left to do
+            u.__dict__["_loaded_by_outer_unit"] = True
+        for key in keys:
+            state_dict.pop(key, None)
+        if u._use_orig_params:  # nn.Module copies the registered parameters onto themselves
+            for m, attr, _ in u._param_slots:
+                state_dict[prefix + join(paths[id(m)], attr)] = m._parameters[attr]
+        else:
+            state_dict[prefix + join(paths[id(u)], FLAT_PARAM)] = u._flat_param
+    rename_to_wrapped(unit, state_dict, prefix)
+    return missing
+
+
+def rename_to_wrapped(unit: Any, state_dict: dict[str, Any], prefix: str) -> None:
+    """Entries under the original names to the names ``nn.Module``'s loading looks for (with the wrappers')."""
+    for actual, _ in [*nn.Module.named_parameters(unit, remove_duplicate=False),
                       *nn.Module.named_buffers(unit, remove_duplicate=False)]:
         clean = clean_name(actual)
         if clean != actual and prefix + clean in state_dict and prefix + actual not in state_dict:

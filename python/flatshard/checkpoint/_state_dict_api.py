@@ -253,12 +253,27 @@ def _init_optim_state(optim: torch.optim.Optimizer) -> None:
 
 
 def _broadcast(state: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0's dict on every rank (tensors through the host)."""
-    if dist.get_rank() == 0:
-        state = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), state)
-    box = [state if dist.get_rank() == 0 else None]
+    """Rank 0's dict on every rank: its structure pickled, then each tensor broadcast on its own (on the
+    default group's device), so no rank ever holds the whole dict pickled in one buffer."""
+    from torch.utils import _pytree as pytree
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    leaves, spec = pytree.tree_flatten(state) if dist.get_rank() == 0 else ([], None)
+    box = [([("tensor", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", t) for t in leaves],
+            pytree.treespec_dumps(spec)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    described, spec_text = box[0]
+    out = []
+    for i, (kind, *rest) in enumerate(described):
+        if kind == "value":
+            out.append(rest[0])
+            continue
+        shape, dtype = rest
+        tensor = leaves[i].detach().to(device) if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype,
+                                                                                       device=device)
+        dist.broadcast(tensor, src=0)
+        out.append(tensor.cpu() if dist.get_rank() != 0 and device.type != "cpu" else tensor)
+    return pytree.tree_unflatten(out, pytree.treespec_loads(spec_text))
 
 
 def _as_tuple(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
