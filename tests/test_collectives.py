@@ -123,4 +123,4 @@ def _failed_reduction_raises(rank: int, world_size: int) -> str:
 def test_failed_reduction_raises_on_wait():
     results = run_distributed(_failed_reduction_raises, 2, timeout=60.0, pg_timeout=3.0)
     assert results[1] == "left"
-    assert results[0], "the error names nothing"
+    assert "flatshard: the gradient reduction of unit 'probe' failed" in results[0], results[0]

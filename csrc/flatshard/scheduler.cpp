@@ -1,15 +1,15 @@
 #include "flatshard/scheduler.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
-#include <chrono>
 #include <thread>
 #include <utility>
-#include <ATen/ops/from_blob.h>
-#include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -19,6 +19,21 @@ namespace {
 constexpr const char* kRateLimitWait = "flatshard::rate_limit_wait";
 
 bool device_has_events(const c10::Device& device) { return device.type() != c10::DeviceType::CPU; }
+
+// Waits for `work`; a failure (a peer gone, the group's timeout) is thrown again naming the
+// unit and the collective, as the same kind of error (c10::DistBackendError stays one).
+void wait_for(CommWork& work, const FlatParam& unit, const char* what) {
+  try {
+    work.wait();
+  } catch (const c10::DistBackendError& e) {
+    C10_THROW_ERROR(DistBackendError, "flatshard: the " + std::string(what) + " of unit '" +
+                                          (unit.name().empty() ? "<root>" : unit.name()) + "' failed: " +
+                                          e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "flatshard: the ", what, " of unit '", unit.name().empty() ? "<root>" : unit.name(),
+                "' failed: ", e.what());
+  }
+}
 
 // `t` as a tensor whose bytes MemoryCounter counts until its storage is freed
 // (by whichever thread drops the last reference): the full-precision buffers
@@ -169,7 +184,7 @@ void Scheduler::wait_for_unshard(FlatParam& unit) {
                         unit.name(), "'");
   {
     c10::StreamGuard stream_guard(all_gather_stream_);
-    it->second->wait();
+    wait_for(*it->second, unit, "all-gather");
   }
   all_gathers_.erase(it);
   unit.drop_all_gather_input();  // the all-gather stream is done with it (stream order)
@@ -189,7 +204,7 @@ void Scheduler::reshard(FlatParam& unit) {
     auto it = all_gathers_.find(&unit);
     if (it != all_gathers_.end()) {
       c10::StreamGuard stream_guard(all_gather_stream_);
-      it->second->wait();
+      wait_for(*it->second, unit, "all-gather");
       all_gathers_.erase(it);
     }
     unit.drop_all_gather_input();
@@ -253,7 +268,7 @@ void Scheduler::complete_shard_reduction() {
   reductions_.pop_front();
   {
     c10::StreamGuard stream_guard(reduce_scatter_stream_);
-    record.shard_work.wait();
+    wait_for(record.shard_work, *record.unit, "gradient reduction");
   }
   // The input was allocated on the compute stream and read on the reduce-
   // scatter stream: the compute stream waits for that before the memory can
@@ -278,7 +293,7 @@ void Scheduler::complete_replica_reduction() {
   replica_reductions_.pop_front();
   stream_wait(all_reduce_stream_, reduce_scatter_stream_);
   c10::StreamGuard stream_guard(all_reduce_stream_);
-  record.replica_work.wait();
+  wait_for(record.replica_work, *record.unit, "replica all-reduce");
   at::Tensor& shard_grad = record.grad_shard;
   if (record.postdivide != 1.0) shard_grad.div_(record.postdivide);
   record.unit->accumulate_grad_shard(shard_grad);
@@ -304,7 +319,7 @@ at::Tensor Scheduler::gather_full_precision(FlatParam& unit) {
   at::Tensor full = at::empty({unit.layout().padded_numel()}, input.options());
   check_sequence(groups_of(unit).shard, unit, "full-precision all_gather", input.nbytes());
   CommWork work = groups_of(unit).shard.all_gather(full, input);
-  work.wait();
+  wait_for(work, unit, "full-precision all-gather");
   return counted(std::move(full));
 }
 
@@ -378,12 +393,12 @@ std::pair<bool, bool> Scheduler::drain(double timeout_seconds) {
 void Scheduler::abort_grad_sync() {
   for (auto* queue : {&reductions_, &replica_reductions_}) {
     for (PendingReduction& record : *queue) {
-      record.shard_work.wait();
-      record.replica_work.wait();
+      wait_for(record.shard_work, *record.unit, "gradient reduction");
+      wait_for(record.replica_work, *record.unit, "replica all-reduce");
     }
     queue->clear();
   }
-  for (auto& [unit, work] : all_gathers_) work->wait();
+  for (auto& [unit, work] : all_gathers_) wait_for(*work, *unit, "all-gather");
   for (FlatParam* unit : offloaded_) unit->drop_offloaded_grads();
   offloaded_.clear();
   stream_wait(current_stream(), reduce_scatter_stream_);
