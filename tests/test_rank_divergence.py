@@ -36,6 +36,14 @@ def _model(rank, **changes):
                 sharding_strategy=changes.get("strategy", ShardingStrategy.FULL_SHARD))
 
 
+def _trained_one_step(rank, world_size):
+    """A model (and its optimizer) after one step on every rank: the guard has passed once."""
+    model = _model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    return model, opt
+
+
 def _step(model, opt, step, rank, world_size, **kwargs):
     loss = gpt_loss(model, *local_slice(make_batch(seed=step), rank, world_size))
     loss.backward(**kwargs)
@@ -74,9 +82,7 @@ def test_ranks_with_different_models_raise(case):
 def _no_sync_on_one_rank(rank, world_size):
     from flatshard import RankDivergenceError
 
-    model = _model(rank)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(model, opt, 0, rank, world_size)
+    model, opt = _trained_one_step(rank, world_size)
     with pytest.raises(RankDivergenceError, match=r"rank 1 runs forward 2 with grad inside no_sync\(\) while "
                                                   r"rank 0 runs forward 2 with grad outside no_sync\(\)"):
         if rank == 1:
@@ -89,9 +95,7 @@ def _no_sync_on_one_rank(rank, world_size):
 def _no_grad_forward_on_one_rank(rank, world_size):
     from flatshard import RankDivergenceError
 
-    model = _model(rank)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(model, opt, 0, rank, world_size)
+    model, opt = _trained_one_step(rank, world_size)
     with pytest.raises(RankDivergenceError, match=r"rank 0 runs forward 2 without grad while ranks 1, 2, 3 run "
                                                   r"forward 2 with grad"):
         if rank == 0:  # an evaluation on rank 0 only
@@ -103,9 +107,7 @@ def _no_grad_forward_on_one_rank(rank, world_size):
 def _skips_batch_after_backward_raised(rank, world_size):
     from flatshard import RankDivergenceError
 
-    model = _model(rank)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(model, opt, 0, rank, world_size)
+    model, opt = _trained_one_step(rank, world_size)
     with pytest.raises(RankDivergenceError, match=r"rank 1 runs forward 3 with grad while rank 0 is at the "
                                                   r"backward of forward 2"):
         for step in (1, 2):
@@ -201,9 +203,7 @@ def _unit_skipped_on_one_rank(rank, world_size):
     import os
 
     os.environ["FLATSHARD_RANK_GUARD"] = "strict"
-    model = _model(rank)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(model, opt, 0, rank, world_size)
+    model, opt = _trained_one_step(rank, world_size)
     if rank == 1:
         block = model.module.blocks[1]
         block.forward = lambda x, *args, **kwargs: x
