@@ -382,7 +382,7 @@ def test_round_trip_under_other_settings(setting, kind, tmp_path):
     run_distributed(_round_trip, 2, setting, kind, str(tmp_path / "ckpt"), timeout=120)
 
 
-def _sharded_load_peak(rank, world_size):
+def _load_peak(rank, world_size, kind):
     from flatshard import _C
 
     FSDP = fsdp_class("flatshard")
@@ -392,10 +392,10 @@ def _sharded_load_peak(rank, world_size):
     units = [u for u in FSDP.fsdp_modules(loaded) if u._handle is not None]
     largest = max(u._handle.layout.padded_numel * 4 for u in units)
     whole = sum(u._handle.layout.padded_numel * 4 for u in units)
-    with FSDP.state_dict_type(saved, StateDictType.SHARDED_STATE_DICT):
+    with FSDP.state_dict_type(saved, kind):
         state = saved.state_dict()
     _C.reset_peak_unsharded_bytes()
-    with FSDP.state_dict_type(loaded, StateDictType.SHARDED_STATE_DICT):
+    with FSDP.state_dict_type(loaded, kind):
         result = loaded.load_state_dict(state)
     peak = _C.peak_unsharded_bytes()
     assert not result.missing_keys and not result.unexpected_keys, result
@@ -405,14 +405,17 @@ def _sharded_load_peak(rank, world_size):
             assert torch.equal(a, b), name
     # A key missing from the state dict is reported (strict), as torch's nn.Module does.
     del state["blocks.1.mlp.fc.weight"]
-    with FSDP.state_dict_type(loaded, StateDictType.SHARDED_STATE_DICT):
+    with FSDP.state_dict_type(loaded, kind):
         with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"blocks.1.mlp.fc.weight\""):
             loaded.load_state_dict(state)
         assert loaded.load_state_dict(state, strict=False).missing_keys == ["blocks.1.mlp.fc.weight"]
 
 
-def test_sharded_load_gathers_one_unit_at_a_time():
-    run_distributed(_sharded_load_peak, 2, timeout=60)
+@pytest.mark.parametrize("kind", [StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT],
+                         ids=["sharded", "full"])
+def test_load_gathers_one_unit_at_a_time(kind):
+    """SHARDED and FULL loads summon one unit at a time (as torch FSDP1), never the whole model."""
+    run_distributed(_load_peak, 2, kind, timeout=60)
 
 
 def _full_from_rank0(rank, world_size):

@@ -9,7 +9,8 @@ over the (replicate, shard) mesh): the full parameter split along its first
 dimension as ``DTensor.redistribute`` splits it (rank r keeps chunk r; ranks past
 the last chunk hold an empty tensor). This is not flatshard's flat layout, so
 saving gathers each unit's full parameters (one unit at a time) and cuts them
-again; loading does the reverse one unit at a time too (``load_sharded``): the
+again; loading does the reverse one unit at a time too (``load_per_unit``, which loads FULL
+state dicts as well): the
 unit's DTensors to full values (``full_tensor``), copied into its summoned
 parameters, written back, dropped, so that the extra memory is one unit's, as
 with torch's FSDP1 (the optimizer's state likewise, one flat parameter at a time).
@@ -256,11 +257,11 @@ def prepare_local_load(unit: Any, state_dict: dict[str, Any], prefix: str) -> No
     rename_to_wrapped(unit, state_dict, prefix)
 
 
-def load_sharded(unit: Any, state_dict: dict[str, Any], prefix: str) -> list[str]:
-    """Before ``load_state_dict`` of a SHARDED_STATE_DICT: one unit at a time, gathers its entries' full
-    values and copies them into its summoned parameters, so that the extra memory is one unit's (see
-    [Note: Sharded state dicts]); leaves the (renamed) rest to ``nn.Module``'s loading. Returns the
-    parameters' keys the state dict lacks. Collective."""
+def load_per_unit(unit: Any, state_dict: dict[str, Any], prefix: str) -> list[str]:
+    """Before ``load_state_dict`` of a FULL or SHARDED state dict: one unit at a time, takes its entries'
+    full values (gathering DTensors) and copies them into its summoned parameters, so that the extra
+    memory is one unit's (see [Note: Sharded state dicts]); leaves the (renamed) rest to
+    ``nn.Module``'s loading. Returns the parameters' keys the state dict lacks. Collective."""
     paths = {id(m): clean_name(path) for path, m in unit.named_modules()}
     missing: list[str] = []
     for u in fsdp_modules(unit):

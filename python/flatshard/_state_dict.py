@@ -25,7 +25,7 @@ from flatshard import _rank_guard
 from flatshard._common import check_between_iterations, clean_name, fsdp_modules
 from flatshard._full_params import summon_full_params
 from flatshard._mixed_precision import original_buffer_dtypes
-from flatshard._sharded_state_dict import is_sharded, load_sharded, prepare_local_load, sharded_or_local_state_dict
+from flatshard._sharded_state_dict import load_per_unit, prepare_local_load, sharded_or_local_state_dict
 from flatshard.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -95,9 +95,9 @@ def register_load_hooks(unit: Any) -> None:
 
 
 def _pre_load_state_dict(unit: Any, state_dict: Any, prefix: str, *args: Any) -> None:
-    # Runs before this module loads, also under a plain parent's load_state_dict():
-    # the outermost unit summons the full parameters and renames the original
-    # names to the wrapped ones; _post_load_state_dict writes the shards back.
+    # Runs before this module loads, also under a plain parent's load_state_dict(): the
+    # outermost unit loads every unit's parameters, one unit at a time, and hands the rest
+    # (buffers, ignored parameters) to nn.Module under the wrapped names.
     if unit._in_summon or unit.__dict__.pop("_loaded_by_outer_unit", False):
         return
     if unit._is_root is None:
@@ -107,25 +107,13 @@ def _pre_load_state_dict(unit: Any, state_dict: Any, prefix: str, *args: Any) ->
     if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT:
         prepare_local_load(unit, state_dict, prefix)  # loads the shards as they are: no summon
         return
-    # SHARDED state dicts (DTensors): one unit at a time ([Note: Sharded state dicts]).
-    if any(is_sharded(v) for k, v in state_dict.items() if k.startswith(prefix)):
-        unit.__dict__["_load_missing"] = load_sharded(unit, state_dict, prefix)
-        return
-    stack = contextlib.ExitStack()
-    stack.enter_context(summon_full_params(unit, writeback=True, guard_phase=None))
-    unit.__dict__["_load_stack"] = stack
-    for actual in nn.Module.state_dict(unit, keep_vars=True):
-        clean = clean_name(actual)
-        if clean != actual and prefix + clean in state_dict:
-            state_dict[prefix + actual] = state_dict.pop(prefix + clean)
+    # FULL and SHARDED (DTensors) alike: one unit at a time (see load_per_unit).
+    unit.__dict__["_load_missing"] = load_per_unit(unit, state_dict, prefix)
 
 
 def _post_load_state_dict(unit: nn.Module, incompatible_keys: Any) -> None:
-    # The keys a sharded load found missing (nn.Module saw the flat parameter's in their place).
+    # The parameters' keys the state dict lacked (nn.Module saw the flat parameter's in their place).
     incompatible_keys.missing_keys.extend(unit.__dict__.pop("_load_missing", []))
-    stack = unit.__dict__.pop("_load_stack", None)
-    if stack is not None:
-        stack.close()
 
 
 _CONFIGS = {
