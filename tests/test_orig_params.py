@@ -6,7 +6,9 @@ final parameters as torch's FSDP1 with ``use_orig_params=True`` at W = 1, 2, 4 a
 FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, with ``no_sync()`` accumulation too; the
 parameters, their shapes between iterations (this rank's 1-D piece, possibly empty, or the
 whole parameter at shard factor 1), their ``.grad`` and the optimizer state dict match
-torch's; a LoRA-shaped unit (frozen base, trainable adapters) trains as torch's does; values
+torch's (a LoRA unit's pieces excepted: flatshard lays its trainable parameters out first, see
+[Note: Trainable prefix] in csrc/flatshard/flat_param.h, so each rank holds other pieces); a
+LoRA-shaped unit (frozen base, trainable adapters) trains as torch's does, bit for bit; values
 changed between iterations (in place or by replacing ``.data``) and gradients set to None
 are honoured.
 
@@ -211,8 +213,11 @@ def test_same_as_torch_fsdp1_with_use_orig_params(world_size, name):
         ours, local = r["flatshard"], r["local"]
         if cfg["torch_oracle"]:
             theirs = r["torch"]
-            assert ours["names"] == theirs["names"], f"rank {rank}: parameters (name, shape, requires_grad) differ"
-            assert ours["grad_shapes"] == theirs["grad_shapes"], f"rank {rank}: .grad shapes differ"
+            if cfg["model"] == "lora":  # trainable parameters first in the flat layout: other pieces per rank
+                assert [(n, g) for n, _, g in ours["names"]] == [(n, g) for n, _, g in theirs["names"]]
+            else:
+                assert ours["names"] == theirs["names"], f"rank {rank}: parameters (name, shape, requires_grad) differ"
+                assert ours["grad_shapes"] == theirs["grad_shapes"], f"rank {rank}: .grad shapes differ"
             assert ours["losses"] == theirs["losses"], f"rank {rank}: losses {ours['losses']} vs {theirs['losses']}"
             for n, v in theirs["full"].items():
                 torch.testing.assert_close(ours["full"][n], v, rtol=0, atol=0, msg=f"rank {rank}: '{n}'")
@@ -231,3 +236,53 @@ def test_same_as_torch_fsdp1_with_use_orig_params(world_size, name):
                 assert got.shape == want.shape, f"rank {rank}: optimizer state {n}.{k}: {got.shape} vs {want.shape}"
                 worst = (got.double() - want.double()).abs().max().item()
                 assert worst <= 1e-6 + 1e-4 * want.abs().max().item(), f"rank {rank}: optimizer state {n}.{k} off by {worst}"
+
+
+def _lora_reduction_bytes(rank, world_size, prefix: bool) -> dict:
+    """One LoRA step under the profiler: the bytes the collectives reduced, and the units' trainable bytes."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import profile
+
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    model = FSDP(build("lora"), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                 use_orig_params=True)
+    units = [u for u in FSDP.fsdp_modules(model) if u._handle is not None]
+    if not prefix:  # the whole flat gradient, as torch's FSDP1 reduces it
+        for u in units:
+            u._handle.set_reduce_prefix(-1)
+    trainable = sum(4 * sum(n for i, n in enumerate(u._handle.layout.numels) if i not in set(u._frozen_indices))
+                    for u in units if u._flat_param.requires_grad)
+    whole = sum(4 * u._handle.layout.padded_numel for u in units if u._flat_param.requires_grad)
+    tokens, targets = local_slice(make_batch(), rank, world_size)
+    loss = gpt_loss(model, tokens, targets)
+    with profile(record_shapes=True) as prof:
+        loss.backward()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    reduced = 0
+    for e in events:
+        if e.get("name") in ("gloo:all_reduce", "gloo:reduce_scatter") and e.get("args", {}).get("Input type"):
+            if e["args"]["Input type"][0] != "float":
+                continue  # the rank-divergence guard's int64 exchange
+            dims = e["args"]["Input Dims"][0]
+            reduced += 4 * (dims[0] if dims else 1)
+    return {"reduced": reduced, "trainable": trainable, "whole": whole, "units": len(units)}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_lora_reduces_only_trainable_bytes(world_size):
+    """Beyond torch (see [Note: Trainable prefix] in csrc/flatshard/flat_param.h): a LoRA unit reduces its
+    trainable parameters' gradient bytes plus padding, not its whole flat gradient as torch's FSDP1 does."""
+    got = run_distributed(_lora_reduction_bytes, world_size, True)[0]
+    padding = 4 * world_size * got["units"]  # at most W - 1 elements per unit
+    assert got["reduced"] <= got["trainable"] + padding, got
+    assert got["reduced"] < got["whole"], got
+    before = run_distributed(_lora_reduction_bytes, world_size, False)[0]  # the control: everything reduced
+    assert before["reduced"] >= before["whole"] > got["reduced"], (before, got)

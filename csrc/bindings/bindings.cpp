@@ -111,6 +111,8 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("grads"))
       .def("has_unsharded_grad", &FlatParam::has_unsharded_grad)
+      .def("set_reduce_prefix", &FlatParam::set_reduce_prefix, py::arg("numel"))
+      .def_property_readonly("reduce_prefix", &FlatParam::reduce_prefix)
       .def("take_unsharded_grad", &FlatParam::take_unsharded_grad)
       .def("drop_unsharded_grad", &FlatParam::drop_unsharded_grad)
       .def_property_readonly("unsharded_grad", &FlatParam::unsharded_grad);

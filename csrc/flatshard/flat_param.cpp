@@ -190,9 +190,32 @@ FlatParam::~FlatParam() {
   if (unsharded_.defined()) free_unsharded();
 }
 
+void FlatParam::set_reduce_prefix(std::int64_t numel) {
+  TORCH_CHECK(numel == -1 || (numel > 0 && numel <= layout_.unpadded_numel()), "flatshard: unit '", name_,
+              "': a trainable prefix of ", numel, " elements for ", layout_.unpadded_numel());
+  TORCH_CHECK(!unsharded_grad_.defined(), "flatshard: unit '", name_,
+              "': the trainable prefix changed while a gradient was being accumulated");
+  reduce_prefix_ = numel;
+}
+
 void FlatParam::accumulate_grad(const std::vector<at::Tensor>& grads) {
   TORCH_CHECK(static_cast<std::int64_t>(grads.size()) == layout_.num_params(), "flatshard: unit '",
               name_, "': expected ", layout_.num_params(), " gradients but got ", grads.size());
+  if (reduce_prefix_ >= 0) {  // see [Note: Trainable prefix]
+    if (!unsharded_grad_.defined()) {
+      unsharded_grad_ = at::zeros({reduce_prefix_}, at::TensorOptions().device(compute_device_).dtype(param_dtype_));
+    }
+    for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
+      // A frozen parameter's view still gets a gradient from autograd (the views come from the
+      // trainable flat parameter); like the whole-gradient path's, it is never used: dropped here.
+      if (!grads[i].defined() || layout_.numels()[i] == 0 ||
+          layout_.offsets()[i] + layout_.numels()[i] > reduce_prefix_) {
+        continue;
+      }
+      unsharded_grad_.narrow(0, layout_.offsets()[i], layout_.numels()[i]).add_(grads[i].reshape({layout_.numels()[i]}));
+    }
+    return;
+  }
   if (!unsharded_grad_.defined()) {
     unsharded_grad_ = flatten(grads, layout_, at::TensorOptions().device(compute_device_).dtype(param_dtype_));
     return;

@@ -128,6 +128,16 @@ class FlatParam {
   void set_name(std::string name);
   const FlatParamLayout& layout() const { return layout_; }
   std::int64_t rank() const { return rank_; }
+  // [Note: Trainable prefix]
+  // A unit whose frozen parameters (use_orig_params, e.g. LoRA's base weights)
+  // are laid out after its trainable ones accumulates its unsharded gradient
+  // over the first `numel` elements only (the trainable prefix) and the
+  // scheduler reduces just those: an all-reduce of the prefix, of which each
+  // rank keeps what falls in its shard (zeros elsewhere). torch's FSDP1
+  // reduce-scatters the whole flat gradient, zeros included. -1 (the
+  // default): the whole flat parameter. Set before the first backward.
+  void set_reduce_prefix(std::int64_t numel);
+  std::int64_t reduce_prefix() const { return reduce_prefix_; }
   // Which of the scheduler's group pairs this unit's collectives use (see [Note: Groups per unit]).
   std::int64_t group_index() const { return group_index_; }
   void set_group_index(std::int64_t index) { group_index_ = index; }
@@ -209,6 +219,7 @@ class FlatParam {
   std::string name_;
   FlatParamLayout layout_;
   std::int64_t rank_;
+  std::int64_t reduce_prefix_ = -1;  // see [Note: Trainable prefix]
   std::int64_t group_index_ = 0;
   at::Tensor local_shard_;
   at::Tensor unsharded_;

@@ -240,6 +240,11 @@ void Scheduler::reduce_grad(FlatParam& unit, double predivide, double postdivide
       check_sequence(groups.shard, unit, "all_reduce", record.grad_shard.nbytes());
       record.shard_work = groups.shard.all_reduce_sum(record.grad_shard);
     }
+  } else if (unit.reduce_prefix() >= 0) {  // see [Note: Trainable prefix] in flat_param.h
+    RECORD_USER_SCOPE(unit.all_reduce_range());
+    check_sequence(groups.shard, unit, "all_reduce of the trainable prefix", record.flat_grad.nbytes());
+    record.prefix_only = true;
+    record.shard_work = groups.shard.all_reduce_sum(record.flat_grad);
   } else {
     RECORD_USER_SCOPE(unit.reduce_scatter_range());
     record.grad_shard = at::empty({unit.layout().shard_numel()}, record.flat_grad.options());
@@ -269,6 +274,13 @@ void Scheduler::complete_shard_reduction() {
   {
     c10::StreamGuard stream_guard(reduce_scatter_stream_);
     wait_for(record.shard_work, *record.unit, "gradient reduction");
+    if (record.prefix_only) {  // this rank's part of the reduced prefix; zeros for the frozen rest
+      const std::int64_t size = record.unit->layout().shard_numel();
+      const std::int64_t begin = record.unit->rank() * size;
+      const std::int64_t n = std::clamp<std::int64_t>(record.flat_grad.numel() - begin, 0, size);
+      record.grad_shard = at::zeros({size}, record.flat_grad.options());
+      if (n > 0) record.grad_shard.narrow(0, 0, n).copy_(record.flat_grad.narrow(0, begin, n));
+    }
   }
   // The input was allocated on the compute stream and read on the reduce-
   // scatter stream: the compute stream waits for that before the memory can

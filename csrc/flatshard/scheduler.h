@@ -159,6 +159,7 @@ class Scheduler {
     bool all_reduce_replicas;
     CommWork shard_work;    // reduce-scatter (or all-reduce) over the shard group
     CommWork replica_work;  // all-reduce over the replicate group
+    bool prefix_only = false;  // flat_grad is the trainable prefix, all-reduced (see [Note: Trainable prefix])
   };
 
   // Completes, without blocking, the reductions whose collectives are done, so

@@ -46,6 +46,8 @@ def register(root: Any, state: object, hook: Callable) -> None:
             )
     for unit in root._units:
         unit._comm_hook, unit._comm_hook_state = hook, state
+        if unit._handle is not None:  # a hook reduces the whole flat gradient ([Note: Trainable prefix])
+            unit._handle.set_reduce_prefix(-1)
 
 
 def reduce(unit: Any) -> None:

@@ -239,6 +239,12 @@ def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], igno
                 local_names.append(join(prefix, attr))
             slots.append((m, attr, index_of[id(p)]))
 
+    if unit._use_orig_params and len({p.requires_grad for p in params}) > 1:
+        # Trainable parameters first, frozen ones after: see [Note: Trainable prefix] in flat_param.h.
+        order = sorted(range(len(params)), key=lambda i: not params[i].requires_grad)
+        new_index = {old: new for new, old in enumerate(order)}
+        params, names, local_names = ([seq[i] for i in order] for seq in (params, names, local_names))
+        slots = [(m, attr, new_index[i]) for m, attr, i in slots]
     unit._param_slots = slots
     unit._param_names = names
     unit._param_local_names = local_names
@@ -275,6 +281,9 @@ def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], igno
     if unit._use_orig_params:  # see [Note: Original parameters] in _orig_params.py
         unit.__dict__[FLAT_PARAM] = flat
         unit._frozen_indices = [i for i, p in enumerate(params) if not p.requires_grad] if flat.requires_grad else []
+        if unit._frozen_indices and not unit._handle.is_replicated:  # reduce the trainable prefix only
+            trainable = len(params) - len(unit._frozen_indices)
+            unit._handle.set_reduce_prefix(layout.offsets[trainable - 1] + layout.numels[trainable - 1])
         _orig_params.init(unit, params)
         return
     unit.register_parameter(FLAT_PARAM, flat)

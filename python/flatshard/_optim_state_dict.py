@@ -360,34 +360,44 @@ def _unflatten_orig_state(unit: Any, members: list[tuple[int, _OptimEntry]], osd
     def per_element(entry: _OptimEntry, value: Any) -> bool:
         return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.param.shape
 
-    keys: list[str] = []
+    # What each key is (per-element, with its dtype, or a scalar such as 'step', with its value), from
+    # every rank: a rank whose pieces of this unit's trainable parameters are all empty (its shard
+    # holds frozen parameters only, see [Note: Trainable prefix]) has no state of its own.
+    kinds: dict[str, tuple[str, Any]] = {}
     for index, entry in members:
-        for k in osd["state"].get(index, {}):
-            if k not in keys:
-                keys.append(k)
+        for k, value in osd["state"].get(index, {}).items():
+            if k not in kinds:
+                kinds[k] = ("tensor", str(value.dtype).removeprefix("torch.")) if per_element(entry, value) else \
+                    ("scalar", value)
     if not handle.is_replicated:
+        holds_trainable = any(slices.get(e.orig_index, (0, 0, 0))[2] > 0 and e.param.requires_grad
+                              for _, e in members)
         everyone: list[Any] = [None] * dist.get_world_size(unit._process_group)
-        dist.all_gather_object(everyone, sorted(keys), group=unit._process_group)
-        if any(theirs != sorted(keys) for theirs in everyone):
+        dist.all_gather_object(everyone, (holds_trainable, list(kinds.items())), group=unit._process_group)
+        merged: dict[str, tuple[str, Any]] = {}
+        for _, theirs in everyone:
+            for k, kind in theirs:
+                merged.setdefault(k, kind)
+        key_sets = [sorted(k for k, _ in theirs) for held, theirs in everyone if held]
+        if any(keys != key_sets[0] for keys in key_sets) or (holds_trainable and sorted(kinds) != sorted(merged)):
             raise ValueError(
                 f"FullyShardedDataParallel.optim_state_dict: unit '{unit._unit_name or '<root>'}' has optimizer "
-                f"state {sorted(keys)} on this rank but {everyone} across its ranks; every rank must step the "
-                f"same parameters before saving (e.g. call optim.step() on every rank)."
+                f"state {sorted(kinds)} on this rank but {[sorted(k for k, _ in t) for _, t in everyone]} across "
+                f"its ranks; every rank must step the same parameters before saving (e.g. call optim.step() on "
+                f"every rank)."
             )
+        kinds = merged
+    keys = list(kinds)
     out: dict[str, dict[str, Any]] = {entry.names[0]: {} for _, entry in members}
     for key in keys:
-        flat, scalar = None, None
+        kind, info = kinds[key]
+        flat = torch.zeros(shard_numel, dtype=getattr(torch, info), device=unit._device) if kind == "tensor" else None
+        scalar = info if kind == "scalar" else None
         for index, entry in members:
             value = osd["state"].get(index, {}).get(key)
-            if value is None:
-                continue
-            if per_element(entry, value):
-                if flat is None:
-                    flat = torch.zeros(shard_numel, dtype=value.dtype, device=unit._device)
+            if value is not None and flat is not None and per_element(entry, value):
                 _, offset_in_shard, numel = slices.get(entry.orig_index, (0, 0, 0))
                 flat[offset_in_shard : offset_in_shard + numel] = value.detach().reshape(-1).to(unit._device)
-            elif scalar is None:
-                scalar = value
         if flat is not None and not handle.is_replicated:
             gathered = flat.new_empty(layout.padded_numel)
             dist.all_gather_into_tensor(gathered, flat, group=unit._process_group)
