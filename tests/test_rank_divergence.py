@@ -216,3 +216,50 @@ def _unit_skipped_on_one_rank(rank, world_size):
 
 def test_strict_mode_names_mismatched_collectives():
     run_distributed(_unit_skipped_on_one_rank, 2, timeout=DEADLINE)
+
+
+# Legitimate scripts the guard must let through (found by a review: each failed or hung before).
+
+def _asymmetric_groups(rank, world_size):
+    import torch.distributed as dist
+
+    dist.new_group([0])  # a group only rank 0 belongs to (logging, embeddings): group counts differ
+    model, opt = _trained_one_step(rank, world_size)
+    _step(model, opt, 1, rank, world_size)
+
+
+def _first_forward_in_inference_mode(rank, world_size):
+    model = _model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.inference_mode():  # evaluating the untrained model first makes the guard
+        model(make_batch()[0])
+    _step(model, opt, 0, rank, world_size)
+
+
+def _no_shard_eval_on_rank0(rank, world_size):
+    model = _model(rank, strategy=ShardingStrategy.NO_SHARD)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    if rank == 0:  # NO_SHARD: a forward issues no collective, so one rank may run it alone (as with torch)
+        with torch.no_grad():
+            model(make_batch()[0])
+    _step(model, opt, 1, rank, world_size)
+
+
+def _uneven_accumulation(rank, world_size):
+    model, opt = _trained_one_step(rank, world_size)
+    with model.no_sync():  # rank 1 accumulates one micro-batch more: no collective inside no_sync()
+        for step in range(2 + rank):
+            gpt_loss(model, *local_slice(make_batch(seed=10 + step), rank, world_size)).backward()
+    _step(model, opt, 5, rank, world_size)
+
+
+LEGITIMATE = {"asymmetric_process_groups": _asymmetric_groups,
+              "first_forward_in_inference_mode": _first_forward_in_inference_mode,
+              "no_shard_evaluation_on_one_rank": _no_shard_eval_on_rank0,
+              "uneven_accumulation_inside_no_sync": _uneven_accumulation}
+
+
+@pytest.mark.parametrize("case", list(LEGITIMATE))
+def test_guard_lets_legitimate_scripts_through(case):
+    run_distributed(LEGITIMATE[case], 2, timeout=DEADLINE)

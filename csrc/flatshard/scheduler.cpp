@@ -22,11 +22,11 @@ bool device_has_events(const c10::Device& device) { return device.type() != c10:
 
 // Waits for `work`; a failure (a peer gone, the group's timeout) is thrown again naming the
 // unit and the collective, as the same kind of error (c10::DistBackendError stays one).
-void wait_for(CommWork& work, const FlatParam& unit, const char* what) {
+void wait_for(CommWork& work, const FlatParam& unit, const std::string& what) {
   try {
     work.wait();
   } catch (const c10::DistBackendError& e) {
-    C10_THROW_ERROR(DistBackendError, "flatshard: the " + std::string(what) + " of unit '" +
+    C10_THROW_ERROR(DistBackendError, "flatshard: the " + what + " of unit '" +
                                           (unit.name().empty() ? "<root>" : unit.name()) + "' failed: " +
                                           e.what_without_backtrace());
   } catch (const std::exception& e) {
@@ -360,7 +360,10 @@ void Scheduler::check_sequence(Collectives& group, const FlatParam& unit, const 
   mine.data_ptr<std::int64_t>()[1] = count;
   at::Tensor input = mine.to(device_);
   at::Tensor all = at::empty({2 * group.size()}, on_device);
-  group.all_gather(all, input).wait();
+  {
+    CommWork work = group.all_gather(all, input);
+    wait_for(work, unit, "strict sequence check before the " + std::string(op));
+  }
   at::Tensor host = all.cpu();
   const std::int64_t* rows = host.data_ptr<std::int64_t>();
   bool same = true;
@@ -372,7 +375,10 @@ void Scheduler::check_sequence(Collectives& group, const FlatParam& unit, const 
   std::memcpy(text.data_ptr(), what.data(), std::min<std::size_t>(what.size(), kText - 1));
   at::Tensor text_input = text.to(device_);
   at::Tensor texts = at::empty({kText * group.size()}, at::TensorOptions().dtype(at::kByte).device(device_));
-  group.all_gather(texts, text_input).wait();
+  {
+    CommWork work = group.all_gather(texts, text_input);
+    wait_for(work, unit, "strict sequence check before the " + std::string(op));
+  }
   at::Tensor host_texts = texts.cpu();
   std::string message = "flatshard: ranks issue different collectives (FLATSHARD_RANK_GUARD=strict, see [Note: "
                         "Collective sequence check]): ";

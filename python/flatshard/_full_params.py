@@ -43,7 +43,7 @@ def summon_full_params(
             "summon_full_params: called during forward or backward; call it between iterations (or before "
             "the forward whose parameters it should show)."
         )
-    if guard_phase is not None and units:
+    if guard_phase is not None and any(u._handle is not None and not u._handle.is_replicated for u in units):
         for root in roots:
             _rank_guard.check(root, guard_phase)
     for root in roots:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 from datetime import timedelta
 from typing import Any
 
@@ -55,8 +56,36 @@ _PHASES = ["forward", "backward", "state_dict()", "load_state_dict()", "summon_f
 _WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), reserved (2)
 
 
-# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_GUARDS_MADE: dict[tuple[int, ...], int] = {}
+
+
+def _guard_group(ranks: list[int], timeout: timedelta) -> Any:
+    """A gloo group of ``ranks`` of the guard's own, rendezvousing under a name every member agrees on:
+    the ranks and how many guards over them this process made before (the same on every member, as
+    they build the same roots). Not registered with torch.distributed (new_group names groups by a
+    count of the groups each rank belongs to, which differs between ranks that hold different
+    groups), so it is used through the backend's own methods."""
+    key = tuple(ranks)
+    made = _GUARDS_MADE.get(key, 0)
+    _GUARDS_MADE[key] = made + 1
+    prefix = f"flatshard/rank_guard/{'-'.join(map(str, ranks))}/{made}/"
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    return dist.ProcessGroupGloo(store, ranks.index(dist.get_rank()), len(ranks), timeout)
+
+
+def _all_gather_objects(group: Any, obj: Any) -> list[Any]:
+    """Every member's picklable ``obj``, in group rank order, through ``group``'s own all-gather."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = group.size()
+    lengths = torch.zeros(size, dtype=torch.int64)
+    group._allgather_base(lengths, torch.tensor([data.numel()], dtype=torch.int64)).wait()
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    everything = torch.zeros(longest * size, dtype=torch.uint8)
+    group._allgather_base(everything, padded).wait()
+    return [pickle.loads(everything[i * longest : i * longest + int(n)].numpy().tobytes())
+            for i, n in enumerate(lengths.tolist())]
 
 
 class RankDivergenceError(RuntimeError):
@@ -97,13 +126,13 @@ class RankGuard:
         self.ranks = sorted(ranks)
         self.group = None
         if len(self.ranks) > 1:
-            self.group = dist.new_group(self.ranks, backend="gloo", timeout=group_timeout(root._process_group),
-                                        use_local_synchronization=True)
+            self.group = _guard_group(self.ranks, group_timeout(root._process_group))
         self.forwards = 0
         self.pending: tuple[Any, dict[str, Any]] | None = None  # an exchange issued, not yet checked
         self._model: tuple[list[int], list[Any]] | None = None
-        self._mine = torch.zeros(_WIDTH, dtype=torch.int64)
-        self._all = torch.zeros(_WIDTH * len(self.ranks), dtype=torch.int64)
+        with torch.inference_mode(False):  # (a first forward under inference_mode must not make these inference tensors)
+            self._mine = torch.zeros(_WIDTH, dtype=torch.int64)
+            self._all = torch.zeros(_WIDTH * len(self.ranks), dtype=torch.int64)
 
     def model_changed(self) -> None:
         """The units' dtypes changed (a cast after wrapping): describe them again."""
@@ -124,8 +153,9 @@ class RankGuard:
         grad = torch.is_grad_enabled() if phase in ("forward", "backward") else False
         no_sync = not root._sync_gradients
         words, description = self._model_fingerprint(root)
-        self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
-        work = _all_gather(self._all, self._mine, group=self.group, async_op=True)
+        with torch.inference_mode(False):
+            self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
+        work = self.group._allgather_base(self._all, self._mine)
         self.pending = (work, {"phase": phase, "doing": self._doing(phase, grad), "forwards": self.forwards,
                                "grad": grad, "no_sync": no_sync, "model": description})
 
@@ -148,9 +178,7 @@ class RankGuard:
         rows = self._all.view(len(self.ranks), _WIDTH)
         if bool((rows == rows[0]).all()):
             return
-        everyone: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(everyone, mine, group=self.group)
-        raise RankDivergenceError(_explain(self.ranks, everyone))
+        raise RankDivergenceError(_explain(self.ranks, _all_gather_objects(self.group, mine)))
 
     def counted_forward(self) -> None:
         self.forwards += 1

@@ -185,7 +185,7 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
     root = unit._root
     if unit._is_root:
         guard = root.__dict__.get("_rank_guard")
-        if guard is not None:  # see [Note: Rank-divergence guard]
+        if guard is not None and _gathers(root):  # see [Note: Rank-divergence guard]
             guard.check(root, "forward")
             guard.counted_forward()
         if root._final_callback_queued:
@@ -271,6 +271,14 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
     elif tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
     return output
+
+
+def _gathers(root: Any) -> bool:
+    """Whether the root's forward will all-gather anything (the guard checks, and counts, only those:
+    NO_SHARD forwards and those inside no_sync() after the first issue no collective, and ranks may
+    run different numbers of them)."""
+    return any(u._handle is not None and not u._handle.is_replicated and u._handle.state == SHARDED
+               for u in root._units)
 
 
 def recompute(unit: Any, args: tuple, kwargs: dict) -> Any:
@@ -476,12 +484,13 @@ def register_for_exit(root: Any) -> None:
 
 def _drain_at_exit() -> None:
     waited = False
+    deadline = time.monotonic() + EXIT_DRAIN_SECONDS  # for all roots together
     for root in list(_live_roots):
         scheduler = root.__dict__.get("_scheduler")
         if scheduler is None:
             continue
         try:
-            _, had_any = scheduler.drain(EXIT_DRAIN_SECONDS)
+            _, had_any = scheduler.drain(max(0.0, deadline - time.monotonic()))
             waited = waited or had_any
         except Exception:  # noqa: BLE001 (exiting: nothing to report it to)
             pass
