@@ -185,9 +185,8 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
     root = unit._root
     if unit._is_root:
         guard = root.__dict__.get("_rank_guard")
-        if guard is not None and _gathers(root):  # see [Note: Rank-divergence guard]
-            guard.check(root, "forward")
-            guard.counted_forward()
+        if guard is not None:  # see [Note: Rank-divergence guard]
+            _guard_forward(root, guard)
         if root._final_callback_queued:
             abort_backward(root)
         if not root._in_iteration:
@@ -273,12 +272,15 @@ def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
     return output
 
 
-def _gathers(root: Any) -> bool:
-    """Whether the root's forward will all-gather anything (the guard checks, and counts, only those:
-    NO_SHARD forwards and those inside no_sync() after the first issue no collective, and ranks may
-    run different numbers of them)."""
-    return any(u._handle is not None and not u._handle.is_replicated and u._handle.state == SHARDED
-               for u in root._units)
+@torch.compiler.disable  # (a compiled forward calls it as it is: the C++ handles are not traceable)
+def _guard_forward(root: Any, guard: Any) -> None:
+    """The guard's check before a forward that will all-gather something (it checks, and counts, only
+    those: NO_SHARD forwards and those inside no_sync() after the first issue no collective, and
+    ranks may run different numbers of them)."""
+    if any(u._handle is not None and not u._handle.is_replicated and u._handle.state == SHARDED
+           for u in root._units):
+        guard.check(root, "forward")
+        guard.counted_forward()
 
 
 def recompute(unit: Any, args: tuple, kwargs: dict) -> Any:
