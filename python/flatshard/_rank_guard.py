@@ -128,7 +128,6 @@ class RankGuard:
         if len(self.ranks) > 1:
             self.group = _guard_group(self.ranks, group_timeout(root._process_group))
         self.forwards = 0
-        self.pending: tuple[Any, dict[str, Any]] | None = None  # an exchange issued, not yet checked
         self._model: tuple[list[int], list[Any]] | None = None
         with torch.inference_mode(False):  # (a first forward under inference_mode must not make these inference tensors)
             self._mine = torch.zeros(_WIDTH, dtype=torch.int64)
@@ -141,13 +140,6 @@ class RankGuard:
     @torch.compiler.disable  # (a compiled forward calls it as it is: a graph break, as at every collective)
     def check(self, root: Any, phase: str) -> None:
         """Collective over the root's ranks: raises RankDivergenceError on every rank if any differs."""
-        self.start(root, phase)
-        self.finish()
-
-    @torch.compiler.disable
-    def start(self, root: Any, phase: str) -> None:
-        """Issues the exchange for ``phase`` without waiting (``finish`` checks it)."""
-        self.finish()
         if self.group is None:
             return
         grad = torch.is_grad_enabled() if phase in ("forward", "backward") else False
@@ -155,29 +147,20 @@ class RankGuard:
         words, description = self._model_fingerprint(root)
         with torch.inference_mode(False):
             self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
-        work = self.group._allgather_base(self._all, self._mine)
-        self.pending = (work, {"phase": phase, "doing": self._doing(phase, grad), "forwards": self.forwards,
-                               "grad": grad, "no_sync": no_sync, "model": description})
-
-    @torch.compiler.disable
-    def finish(self) -> None:
-        """Waits for the exchange ``start`` issued, if any, and raises RankDivergenceError on every rank if
-        any rank differs. Collective."""
-        if self.pending is None:
-            return
-        work, mine = self.pending
-        self.pending = None
+        doing = self._doing(phase, grad)
         try:
-            work.wait()
+            self.group._allgather_base(self._all, self._mine).wait()
         except RuntimeError as e:
             raise RankDivergenceError(
-                f"flatshard: rank {dist.get_rank()} waited for its peers before {mine['doing']} (the "
+                f"flatshard: rank {dist.get_rank()} waited for its peers before {doing} (the "
                 f"rank-divergence guard), and they did not all come within the group's timeout: a peer is stuck "
                 f"in other work (e.g. a collective this rank skipped, or a barrier), or has died. ({e})"
             ) from e
         rows = self._all.view(len(self.ranks), _WIDTH)
         if bool((rows == rows[0]).all()):
             return
+        mine = {"phase": phase, "doing": doing, "forwards": self.forwards, "grad": grad, "no_sync": no_sync,
+                "model": description}
         raise RankDivergenceError(_explain(self.ranks, _all_gather_objects(self.group, mine)))
 
     def counted_forward(self) -> None:
