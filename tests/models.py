@@ -42,6 +42,8 @@ __all__ = [
     "make_gpt",
     "PARITY",
     "RTOL",
+    "SHAPES",
+    "build_shape",
 ]
 
 # The parity setting [Note: fp32 Adam parity margin] was measured at; every fp32
@@ -238,3 +240,109 @@ def param_mismatches(full: dict, want: dict, rtol: float, atol: float) -> list[s
         except AssertionError as e:
             problems.append(f"parameter {name!r}: {e}")
     return problems
+
+
+# ----------------------------------------------------------- model shapes
+# Where a unit's parameters sit decides the paths of their state-dict keys. These tiny
+# models are the shapes users have; every data-path test (state dicts, checkpoints,
+# optimizer state) runs on each. A unit "holds a parameter directly" when the module
+# it wraps has it in its own ``_parameters`` (its key is the unit's own path).
+
+
+class RootParam(nn.Module):
+    """(a) The root's module holds a parameter itself (``scale``), beside a Linear leaf unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.rand(4) + 0.5)
+        self.register_buffer("offset", torch.arange(4.0) / 8)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale + self.offset
+
+
+class LeafUnits(nn.Module):
+    """(b) Every unit a Linear: each wrapped module holds its parameters; the root holds none."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class Inner(nn.Module):
+    """A unit holding a parameter directly (``gain``) with a nested Linear unit inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.rand(4) + 0.5)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
+class Body(nn.Module):
+    """A plain module (never a unit): its parameter ``bias`` belongs to the root unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.rand(4))
+        self.proj = nn.Linear(4, 4)
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(self.proj(x)) + self.bias
+
+
+class PlainParent(nn.Module):
+    """(c) Units under a plain parent module (``body``), and a unit nested in a unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Body()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class Odd(nn.Module):
+    """A unit of three elements: padded at every world size above 1 (one element at W=2 and 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(3) + 0.5)
+
+    def forward(self, x):
+        return x * self.w
+
+
+class Padded(nn.Module):
+    """(d) A three-element unit (``odd``), and a Linear of 15 elements: both padded at W = 2 and 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.odd = Odd()
+
+    def forward(self, x):
+        return self.odd(self.lin(x))
+
+
+#: name -> (model class, the module classes each wrapped as its own unit by ModuleWrapPolicy)
+SHAPES = {
+    "root_param": (RootParam, (nn.Linear,)),
+    "leaf_units": (LeafUnits, (nn.Linear,)),
+    "plain_parent": (PlainParent, (nn.Linear, Inner)),
+    "padded": (Padded, (nn.Linear, Odd)),
+}
+
+
+def build_shape(name: str, seed: int = 0) -> nn.Module:
+    """A fresh model of shape ``name`` (see SHAPES) whose parameters depend only on ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return SHAPES[name][0]()

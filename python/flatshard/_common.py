@@ -17,7 +17,6 @@ logger = logging.getLogger("flatshard")
 
 WRAPPED = "_fsdp_wrapped_module"
 FLAT_PARAM = "_flat_param"
-WRAPPED_PREFIX = WRAPPED + "."
 # Set on an original parameter once a unit owns it: (unit name, parameter name).
 OWNER_ATTR = "_flatshard_owner"
 
@@ -35,8 +34,14 @@ class UsageError(RuntimeError, AssertionError):
 
 
 def clean_name(name: str) -> str:
-    """A name without the wrappers' ``_fsdp_wrapped_module.`` parts: the original module's."""
-    return name.replace(WRAPPED_PREFIX, "")
+    """A name without the wrappers' ``_fsdp_wrapped_module`` parts: the original module's.
+
+    Component by component: the path of a wrapped module itself ends in the wrapper's
+    name (``lin._fsdp_wrapped_module``), and its parameters' keys are that path's.
+    """
+    if WRAPPED not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != WRAPPED)
 
 
 def join(prefix: str, name: str) -> str:

@@ -210,19 +210,25 @@ def _local_dtensor(unit: Any, offload_to_cpu: bool) -> DTensor:
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
-def prepare_local_load(unit: Any, state_dict: dict[str, Any], prefix: str) -> None:
+def prepare_local_load(unit: Any, state_dict: dict[str, Any], prefix: str) -> list[str]:
     """Before ``load_state_dict`` of a LOCAL_STATE_DICT: checks each unit's layout record and
-    copies its shard in place, then leaves the (renamed) rest to ``nn.Module``'s loading."""
+    copies its shard in place, then leaves the (renamed) rest to ``nn.Module``'s loading.
+    Returns the flat parameters' keys the state dict lacks."""
     paths = {id(m): clean_name(path) for path, m in unit.named_modules()}
+    missing: list[str] = []
     for u in fsdp_modules(unit):
         if u._handle is None:
             continue
         name = prefix + join(paths[id(u)], FLAT_PARAM)
         value = state_dict.get(name)
-        if value is None or value is u._flat_param:  # missing (nn.Module reports it), or done by an outer unit
+        record = state_dict.pop(prefix + join(paths[id(u)], LAYOUT_SUFFIX), None)
+        if value is u._flat_param:  # done by an outer unit
+            continue
+        if value is None:
+            missing.append(name)
+            _hand_registered_to_nn_module(u, state_dict, prefix, paths)
             continue
         where = f"unit '{u._unit_name or '<root>'}'"
-        record = state_dict.pop(prefix + join(paths[id(u)], LAYOUT_SUFFIX), None)
         mine = _layout_record(u)
         if record is not None and record != mine:
             diff = ", ".join(f"{k}: {record.get(k)} != {mine[k]}" for k in mine if record.get(k) != mine[k])
@@ -249,12 +255,9 @@ def prepare_local_load(unit: Any, state_dict: dict[str, Any], prefix: str) -> No
         with torch.no_grad():
             u._flat_param.detach()[: value.numel()].copy_(value)
         del state_dict[name]
-        if u._use_orig_params:  # the original parameters are registered: nn.Module copies them onto themselves
-            for m, attr, _ in u._param_slots:
-                state_dict.setdefault(prefix + join(paths[id(m)], attr), m._parameters[attr])
-        else:  # the flat parameter is registered: likewise
-            state_dict[name] = u._flat_param
+        _hand_registered_to_nn_module(u, state_dict, prefix, paths)
     rename_to_wrapped(unit, state_dict, prefix)
+    return missing
 
 
 def load_per_unit(unit: Any, state_dict: dict[str, Any], prefix: str) -> list[str]:
@@ -282,17 +285,22 @@ def load_per_unit(unit: Any, state_dict: dict[str, Any], prefix: str) -> list[st
                         f"shape in current model is {tuple(param.shape)}.")
                 param.copy_(value)
         del full
-        if u is not unit:  # its own pre-load hook, which runs next, has nothing left to do
-            u.__dict__["_loaded_by_outer_unit"] = True
         for key in keys:
             state_dict.pop(key, None)
-        if u._use_orig_params:  # nn.Module copies the registered parameters onto themselves
-            for m, attr, _ in u._param_slots:
-                state_dict[prefix + join(paths[id(m)], attr)] = m._parameters[attr]
-        else:
-            state_dict[prefix + join(paths[id(u)], FLAT_PARAM)] = u._flat_param
+        _hand_registered_to_nn_module(u, state_dict, prefix, paths)
     rename_to_wrapped(unit, state_dict, prefix)
     return missing
+
+
+def _hand_registered_to_nn_module(unit: Any, state_dict: dict[str, Any], prefix: str, paths: dict[int, str]) -> None:
+    """After ``unit`` is loaded (or found missing, and reported as such): its registered parameters go into
+    ``state_dict`` as themselves, so that ``nn.Module``'s loading copies them onto themselves and reports
+    nothing for them (the original parameters with ``use_orig_params``, else the flat parameter)."""
+    if unit._use_orig_params:
+        for m, attr, _ in unit._param_slots:
+            state_dict[prefix + join(paths[id(m)], attr)] = m._parameters[attr]
+    else:
+        state_dict[prefix + join(paths[id(unit)], FLAT_PARAM)] = unit._flat_param
 
 
 def rename_to_wrapped(unit: Any, state_dict: dict[str, Any], prefix: str) -> None:

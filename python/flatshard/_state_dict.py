@@ -105,10 +105,14 @@ def _pre_load_state_dict(unit: Any, state_dict: Any, prefix: str, *args: Any) ->
     check_between_iterations(unit, "FullyShardedDataParallel.load_state_dict")
     _rank_guard.check(unit, "load_state_dict()")
     if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT:
-        prepare_local_load(unit, state_dict, prefix)  # loads the shards as they are: no summon
-        return
-    # FULL and SHARDED (DTensors) alike: one unit at a time (see load_per_unit).
-    unit.__dict__["_load_missing"] = load_per_unit(unit, state_dict, prefix)
+        # Loads the shards as they are: no summon.
+        unit.__dict__["_load_missing"] = prepare_local_load(unit, state_dict, prefix)
+    else:
+        # FULL and SHARDED (DTensors) alike: one unit at a time (see load_per_unit).
+        unit.__dict__["_load_missing"] = load_per_unit(unit, state_dict, prefix)
+    for inner in fsdp_modules(unit):  # their own pre-load hooks, which run next, have nothing left to do
+        if inner is not unit:
+            inner.__dict__["_loaded_by_outer_unit"] = True
 
 
 def _post_load_state_dict(unit: nn.Module, incompatible_keys: Any) -> None:

@@ -1,0 +1,90 @@
+"""Many cases in one process start: the runner behind the per-case distributed tests.
+
+[Note: One process start per world size]
+Starting W ranks costs a fork, an import and a rendezvous each time; a test per case
+would pay it dozens of times. So ``CaseRun`` runs every case of one key (a world size,
+usually) in ONE ``run_distributed`` call and caches what each rank returned; each case
+is still its own pytest test, reading its entry. A case that raises is recorded (its
+traceback goes to its test) and the next one runs. After each case the ranks compare
+their outcomes on a control group of their own; if they disagree (one rank raised while
+another may still sit in a collective, until the short collective timeout) the run
+stops with an error naming that case, because the default group may then be out of step
+across ranks. A run that fails as a whole is cached as its exception and re-raised by
+every test that reads it.
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Hashable
+
+from _dist import check_same_outcome, run_distributed
+
+__all__ = ["CaseRun", "run_cases"]
+
+
+def run_cases(rank: int, world_size: int, case_fn: Callable, names: list[str], cases: list, args: tuple,
+              control_timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Rank side: ``case_fn(rank, world_size, case, *args)`` for each case.
+
+    Returns {case name: {"error": traceback or None, "result": what case_fn returned}}.
+    """
+    import torch.distributed as dist
+
+    # Every rank creates it, first thing, in the same order.
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    out: dict[str, dict[str, Any]] = {}
+    for name, case in zip(names, cases):
+        print(f"== case {name}", flush=True)
+        error, result = None, None
+        try:
+            result = case_fn(rank, world_size, case, *args)
+        except Exception:  # noqa: BLE001 - reported by this case's test
+            error = traceback.format_exc()
+            print(error, flush=True)
+        gc.collect()
+        out[name] = {"error": error, "result": result}
+        check_same_outcome(f"case {name!r}", error, control)
+    return out
+
+
+class CaseRun:
+    """The cached per-rank results of ``case_fn`` over the cases of each key.
+
+    ``cases_of(key)`` gives ``(world_size, [(name, case), ...])``; ``results(key, name)``
+    runs that key's cases once (see [Note: One process start per world size]) and returns
+    the per-rank results of case ``name``, failing the test with every rank's traceback if
+    the case raised anywhere.
+    """
+
+    def __init__(self, case_fn: Callable, cases_of: Callable[[Hashable], tuple[int, list[tuple[str, Any]]]],
+                 *args: Any, timeout: float = 300.0, pg_timeout: float = 30.0) -> None:
+        self._case_fn = case_fn
+        self._cases_of = cases_of
+        self._args = args
+        self._timeout = timeout
+        self._pg_timeout = pg_timeout
+        self._cache: dict[Hashable, Any] = {}
+
+    def _run(self, key: Hashable) -> list[dict[str, dict[str, Any]]]:
+        if key not in self._cache:
+            world_size, cases = self._cases_of(key)
+            try:
+                self._cache[key] = run_distributed(
+                    run_cases, world_size, self._case_fn, [n for n, _ in cases], [c for _, c in cases], self._args,
+                    3 * self._pg_timeout, timeout=self._timeout, pg_timeout=self._pg_timeout)
+            except Exception as e:  # noqa: BLE001 - re-raised by each test that reads it
+                self._cache[key] = e
+        res = self._cache[key]
+        if isinstance(res, Exception):
+            raise res
+        return res
+
+    def results(self, key: Hashable, name: str) -> list[Any]:
+        """Per rank, what case ``name`` of ``key`` returned; raises with the tracebacks if it raised."""
+        per_rank = [by_name[name] for by_name in self._run(key)]
+        errors = [f"rank {rank}: {r['error'].rstrip()}" for rank, r in enumerate(per_rank) if r["error"]]
+        assert not errors, f"case {name} of {key}:\n" + "\n".join(errors)
+        return [r["result"] for r in per_rank]
