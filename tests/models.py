@@ -116,14 +116,19 @@ class GPT(nn.Module):
     """Token + learned position embedding, Blocks, final LayerNorm, tied output head.
 
     ``head.weight`` IS ``embed.weight`` (one Parameter, two users), so with one unit
-    per Block the root unit must own the tied weight.
+    per Block the root unit must own the tied weight. The position embedding ``pos`` is
+    a parameter of the GPT module itself (not of a submodule), so the root unit's wrapped
+    module holds a parameter directly: every test on this model goes through that case
+    (its state-dict key is the wrapped module's own path). It is drawn as an
+    ``nn.Embedding(seq, dim)`` would be, at the same point of the RNG stream.
     """
 
     def __init__(self, vocab: int, dim: int, n_layers: int, n_heads: int, seq: int) -> None:
         super().__init__()
         self.seq = seq
         self.embed = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(seq, dim)
+        self.pos = nn.Parameter(torch.empty(seq, dim))
+        self.reset_parameters()
         self.blocks = nn.ModuleList(Block(dim, n_heads, seq) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
@@ -133,10 +138,14 @@ class GPT(nn.Module):
         t = tokens.shape[1]
         if t > self.seq:
             raise ValueError(f"tokens: expected at most {self.seq} positions but got {t}")
-        x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        x = self.embed(tokens) + self.pos[:t]
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))  # [b, t, vocab]
+
+    def reset_parameters(self) -> None:
+        """The GPT's own parameter (``pos``), as ``nn.Embedding`` initializes its weight."""
+        nn.init.normal_(self.pos)
 
 
 def make_gpt(

@@ -54,7 +54,7 @@ def _step(model, opt, step, rank, world_size, **kwargs):
 MODEL_CASES = {
     "wrap_policy": ({"wrap": {Block, MLP}}, r"the models are wrapped differently: rank 1 has 7 FSDP units \(<root>, "
                                             r"blocks.0, blocks.0.mlp.*while rank 0 has 4 FSDP units"),
-    "width": ({"dim": 32}, r"FSDP unit 0 \('<root>' on rank 0\) differs in shapes: rank 1 has \[\[64, 32\]"),
+    "width": ({"dim": 32}, r"FSDP unit 0 \('<root>' on rank 0\) differs in shapes: rank 1 has \[\[16, 32\], \[64, 32\]"),
     "dtype": ({"double": True}, r"differs in dtype: rank 1 has 'torch.float64' while rank 0 has 'torch.float32'"),
     "block_count": ({"n_layers": 4}, r"rank 1 has 5 FSDP units .* while rank 0 has 4 FSDP units"),
     "strategy": ({"strategy": ShardingStrategy.SHARD_GRAD_OP},

@@ -145,7 +145,7 @@ class TwiceGPT(GPT):
     """The GPT with its first Block applied again after the last one (one unit, two calls)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
         x = self.blocks[0](x)
