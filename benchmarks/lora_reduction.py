@@ -72,7 +72,7 @@ def _peer(name: str, spec, ctx: Ctx) -> tuple[Peer, int]:
     reduced = 0
     if name != "fsdp1":
         for unit in FSDP.fsdp_modules(model):
-            handle = unit._handle
+            handle = unit._unit_state.handle
             if handle is None or not unit._flat_param.requires_grad:
                 continue
             if name == "flatshard-whole":

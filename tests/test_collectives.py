@@ -23,7 +23,7 @@ def _unit(rank: int, world_size: int):
 
     layout = _C.FlatParamLayout(SHAPES, world_size)
     params = [torch.zeros(s) for s in SHAPES]
-    return _C.FlatParam("probe", layout, rank, params), layout
+    return _C.FlatParam("probe", layout, rank, params, predivide=float(world_size)), layout  # the average over W
 
 
 def _grads(rank: int) -> list[torch.Tensor]:
@@ -49,7 +49,7 @@ def _reduction_input_freed_at_completion(rank: int, world_size: int) -> dict:
     dist.barrier()
     if rank == 1:
         time.sleep(0.5)  # rank 0's collective cannot complete before this rank joins it
-    scheduler.reduce_grad(unit, float(world_size), 1.0, False)
+    scheduler.reduce_grad(unit)
     alive_right_after_issue = flat_grad() is not None
     deadline = time.monotonic() + 10.0
     while flat_grad() is not None and time.monotonic() < deadline:
@@ -108,7 +108,7 @@ def _failed_reduction_raises(rank: int, world_size: int) -> str:
     if rank == 1:
         dist.destroy_process_group()  # never joins the reduction: rank 0's must fail, not pass
         return "left"
-    scheduler.reduce_grad(unit, float(world_size), 1.0, False)
+    scheduler.reduce_grad(unit)
     try:
         scheduler.finish_grad_sync()
     except RuntimeError as e:

@@ -144,7 +144,7 @@ def _measure(rank: int, world_size: int, backend: str, limit: int | None) -> dic
         "peak": torch.cuda.max_memory_allocated() - base,
         "peak_reserved": torch.cuda.max_memory_reserved(),
         "num_alloc_retries": stats.get("num_alloc_retries", 0),
-        "limiter_stalls": model._scheduler.limiter_stalls,
+        "limiter_stalls": model._unit_state.root.scheduler.limiter_stalls,
     }
 
 

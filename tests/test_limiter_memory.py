@@ -45,7 +45,7 @@ def _train_and_measure(rank: int, world_size: int, strategy: str) -> dict:
         forward_prefetch=True,
         limit_all_gathers=True,
     )
-    units = [u for u in FSDP.fsdp_modules(model) if u._handle is not None]
+    units = [u for u in FSDP.fsdp_modules(model) if u._unit_state.handle is not None]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     batch = local_slice(make_batch(), rank, world_size)
     peaks, between = [], []
@@ -58,7 +58,7 @@ def _train_and_measure(rank: int, world_size: int, strategy: str) -> dict:
         between.append(int(_C.unsharded_bytes()))
     return {
         "n_units": len(units),
-        "unit_nbytes": [int(u._handle.unsharded_nbytes) for u in units],
+        "unit_nbytes": [int(u._unit_state.handle.unsharded_nbytes) for u in units],
         "peaks": peaks,
         "between": between,
     }
@@ -145,8 +145,8 @@ def _back_to_back_all_gathers(rank: int, world_size: int, limit: str | None) -> 
     )
     with torch.no_grad():
         model(local_slice(make_batch(), rank, world_size)[0])  # lazy init; nothing stays unsharded
-    scheduler = model._scheduler
-    handles = [model.module.blocks[i]._handle for i in range(3)]
+    scheduler = model._unit_state.root.scheduler
+    handles = [model.module.blocks[i]._unit_state.handle for i in range(3)]
     before = scheduler.limiter_stalls
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         if rank == 1:

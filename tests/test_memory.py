@@ -19,7 +19,7 @@ def _memory_between_steps(rank: int, world_size: int, mixed: bool) -> dict:
     total = sum(p.numel() for p in reference.parameters())  # tied weight counted once
     model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
                  mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if mixed else None)
-    units = [u for u in FSDP.fsdp_modules(model) if u._handle is not None]
+    units = [u for u in FSDP.fsdp_modules(model) if u._unit_state.handle is not None]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     batch = local_slice(make_batch(), rank, world_size)
     _C.reset_peak_unsharded_bytes()
@@ -34,22 +34,22 @@ def _memory_between_steps(rank: int, world_size: int, mixed: bool) -> dict:
         # No unsharded buffer alive between steps, by the core's counter and by storage.
         assert _C.unsharded_bytes() == 0
         for u in units:
-            assert not u._handle.has_unsharded_storage()
+            assert not u._unit_state.handle.has_unsharded_storage()
             if world_size > 1 or mixed:  # at W=1 in fp32 the shard is the whole parameter: no buffer exists
-                assert u._handle.unsharded.untyped_storage().nbytes() == 0
+                assert u._unit_state.handle.unsharded.untyped_storage().nbytes() == 0
             if world_size > 1:  # nor does what the placeholders are views of (their base) hold memory
-                for v in u._handle.placeholder_views:
+                for v in u._unit_state.handle.placeholder_views:
                     assert v._base is None or v._base.untyped_storage().nbytes() == 0
         for name, p in model.named_parameters():
             assert name.endswith("_flat_param"), name
 
     held = sum(p.numel() for p in model.parameters())
     # Each unit holds padded/W elements: about total/W plus at most W-1 padding elements per unit.
-    assert held == sum(u._handle.layout.padded_numel for u in units) // world_size
+    assert held == sum(u._unit_state.handle.layout.padded_numel for u in units) // world_size
     assert total / world_size <= held <= total / world_size + len(units) * (world_size - 1) / world_size
     for u in units:
-        assert u._handle.layout.padding_numel < world_size
-        assert u._flat_param.numel() == u._handle.layout.padded_numel // world_size
+        assert u._unit_state.handle.layout.padding_numel < world_size
+        assert u._flat_param.numel() == u._unit_state.handle.layout.padded_numel // world_size
     # The original parameters' module attributes hold no storage between steps.
     block = model.module.blocks[0].module
     assert block.ln1.weight.shape == (16,)
@@ -61,11 +61,11 @@ def _memory_between_steps(rank: int, world_size: int, mixed: bool) -> dict:
         else:
             raise AssertionError("a sharded unit's parameter attribute had storage between steps")
     # During the step, at most the root and one block (plus the next one in flight) were unsharded.
-    largest = max(u._handle.unsharded_nbytes for u in units)
+    largest = max(u._unit_state.handle.unsharded_nbytes for u in units)
     if world_size > 1:
         assert 0 < _C.peak_unsharded_bytes() <= 3 * largest
     elif mixed:  # one rank: every unit's bf16 copy lives from its forward to its backward (torch FSDP1 too)
-        assert 0 < _C.peak_unsharded_bytes() <= sum(u._handle.unsharded_nbytes for u in units)
+        assert 0 < _C.peak_unsharded_bytes() <= sum(u._unit_state.handle.unsharded_nbytes for u in units)
     else:
         assert _C.peak_unsharded_bytes() == 0
     return {"held": held, "total": total}

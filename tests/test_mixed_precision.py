@@ -340,8 +340,8 @@ def _dtypes_on_the_wire(rank, world_size, reduce_dtype) -> dict:
     return {
         "wire": wire,
         "output_dtype": str(out.dtype),
-        "unsharded_nbytes": [u._handle.unsharded_nbytes for u in units if u._handle is not None],
-        "padded_numels": [u._handle.layout.padded_numel for u in units if u._handle is not None],
+        "unsharded_nbytes": [u._unit_state.handle.unsharded_nbytes for u in units if u._unit_state.handle is not None],
+        "padded_numels": [u._unit_state.handle.layout.padded_numel for u in units if u._unit_state.handle is not None],
         "summoned": summoned,
         "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
         "norm_dtype": str(norm.dtype),

@@ -16,7 +16,7 @@ Acceptance (DESIGN.md mechanisms 6-8), from ``torch.profiler`` traces at world s
 - Whatever the prefetch mode, each unit is all-gathered once per forward and once per
   backward (none for the root in backward: it stays unsharded until the end).
 - With ``limit_all_gathers=False`` the trace holds no ``flatshard::rate_limit_wait``
-  range and ``model._scheduler.limiter_stalls`` does not grow. (A unit's all-gather
+  range and ``model._unit_state.root.scheduler.limiter_stalls`` does not grow. (A unit's all-gather
   is waited on before the next one is prefetched, so training never has two in
   flight on the CPU; test_limiter_memory.py makes the limiter stall directly.)
 
@@ -168,8 +168,8 @@ def _profile_one(rank, world_size, FSDP, scenario) -> dict:
 
 
 def _stalls(model):
-    scheduler = getattr(model, "_scheduler", None)
-    return None if scheduler is None else int(scheduler.limiter_stalls)
+    state = getattr(model, "_unit_state", None)  # (torch's FSDP has none)
+    return None if state is None or state.root is None else int(state.root.scheduler.limiter_stalls)
 
 
 def _profile_scenarios(rank, world_size, scenarios) -> dict:

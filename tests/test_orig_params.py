@@ -250,13 +250,13 @@ def _lora_reduction_bytes(rank, world_size, prefix: bool) -> dict:
 
     model = FSDP(build("lora"), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
                  use_orig_params=True)
-    units = [u for u in FSDP.fsdp_modules(model) if u._handle is not None]
+    units = [u for u in FSDP.fsdp_modules(model) if u._unit_state.handle is not None]
     if not prefix:  # the whole flat gradient, as torch's FSDP1 reduces it
         for u in units:
-            u._handle.set_reduce_prefix(-1)
-    trainable = sum(4 * sum(n for i, n in enumerate(u._handle.layout.numels) if i not in set(u._frozen_indices))
+            u._unit_state.handle.set_reduce_prefix(-1)
+    trainable = sum(4 * sum(n for i, n in enumerate(u._unit_state.handle.layout.numels) if i not in set(u._unit_state.frozen_indices))
                     for u in units if u._flat_param.requires_grad)
-    whole = sum(4 * u._handle.layout.padded_numel for u in units if u._flat_param.requires_grad)
+    whole = sum(4 * u._unit_state.handle.layout.padded_numel for u in units if u._flat_param.requires_grad)
     tokens, targets = local_slice(make_batch(), rank, world_size)
     loss = gpt_loss(model, tokens, targets)
     with profile(record_shapes=True) as prof:

@@ -158,7 +158,7 @@ def _guard_off(rank, world_size, value):
         model = _model(rank)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _step(model, opt, 0, rank, world_size)
-        return "_rank_guard" in model.__dict__
+        return model._unit_state.root.guard is not None
     finally:
         del os.environ["FLATSHARD_RANK_GUARD"]
 

@@ -84,7 +84,7 @@ def _activation_checkpointing(rank, world_size, impl, placement, reentrant):
     _compare(FSDP, model, _reference(), f"{impl} AC {placement} reentrant={reentrant}")
     if impl == "flatshard" and world_size > 1:
         # Not every unit unsharded at once: reductions and reshards ran during backward.
-        largest = max(u._handle.unsharded_nbytes for u in FSDP.fsdp_modules(model) if u._handle is not None)
+        largest = max(u._unit_state.handle.unsharded_nbytes for u in FSDP.fsdp_modules(model) if u._unit_state.handle is not None)
         assert peak <= 3 * largest, f"peak unsharded {peak} B > 3 x largest unit {largest} B"
 
 
@@ -135,10 +135,10 @@ def _backward_raises_then_training_goes_on(rank, world_size):
             continue
         if step == 2:
             for unit in FSDP.fsdp_modules(model):
-                assert unit._flat_param.grad is None, f"unit '{unit._unit_name}' kept a partial gradient"
+                assert unit._flat_param.grad is None, f"unit '{unit._unit_state.name}' kept a partial gradient"
         loss.backward()
         for unit in FSDP.fsdp_modules(model):
-            assert unit._flat_param.grad is not None, f"unit '{unit._unit_name}' got no gradient"
+            assert unit._flat_param.grad is not None, f"unit '{unit._unit_state.name}' got no gradient"
         opt.step()
         opt.zero_grad()
     _compare(FSDP, model, _reference(steps_to_skip={1}), "after a backward that raised")
@@ -158,7 +158,7 @@ def _forward_without_backward(rank, world_size, impl):
         gpt_loss(model, *batch).backward()
         if impl == "flatshard":
             for unit in FSDP.fsdp_modules(model):
-                assert not unit._has_pending_uses(), f"unit '{unit._unit_name}' kept a dead use"
+                assert not unit._has_pending_uses(), f"unit '{unit._unit_state.name}' kept a dead use"
         opt.step()
         opt.zero_grad()
     _compare(FSDP, model, _reference(), f"{impl}: forward without backward between steps")
@@ -179,7 +179,7 @@ def _meta_init_keeps_ties(rank, world_size):
         names = [n for n, _ in model.named_parameters()]
         assert model.module.head.weight is model.module.emb.weight, "the tie was lost"
     assert names == ["emb.weight", "body.weight", "body.bias"], names
-    assert model._handle.layout.num_params == 3
+    assert model._unit_state.handle.layout.num_params == 3
     # Tied across units on the meta device: the error, not a silent untie.
     with torch.device("meta"):
         split = TiedLM()

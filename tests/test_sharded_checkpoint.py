@@ -389,9 +389,9 @@ def _load_peak(rank, world_size, kind):
     saved = FSDP(make_gpt(n_layers=4), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
     loaded = FSDP(make_gpt(n_layers=4, seed=3), auto_wrap_policy=ModuleWrapPolicy({Block}),
                   device_id=torch.device("cpu"))
-    units = [u for u in FSDP.fsdp_modules(loaded) if u._handle is not None]
-    largest = max(u._handle.layout.padded_numel * 4 for u in units)
-    whole = sum(u._handle.layout.padded_numel * 4 for u in units)
+    units = [u for u in FSDP.fsdp_modules(loaded) if u._unit_state.handle is not None]
+    largest = max(u._unit_state.handle.layout.padded_numel * 4 for u in units)
+    whole = sum(u._unit_state.handle.layout.padded_numel * 4 for u in units)
     with FSDP.state_dict_type(saved, kind):
         state = saved.state_dict()
     _C.reset_peak_unsharded_bytes()

@@ -28,9 +28,9 @@ def _export(rank, world_size, mixed: bool):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gpt_loss(model, *local_slice(make_batch(), rank, world_size)).backward()
     opt.step()
-    units = [u for u in FSDP.fsdp_modules(model) if u._handle is not None]
-    largest_unit = max(u._handle.layout.padded_numel * 4 for u in units)  # fp32 full flat parameters
-    whole_model = sum(u._handle.layout.padded_numel * 4 for u in units)
+    units = [u for u in FSDP.fsdp_modules(model) if u._unit_state.handle is not None]
+    largest_unit = max(u._unit_state.handle.layout.padded_numel * 4 for u in units)  # fp32 full flat parameters
+    whole_model = sum(u._unit_state.handle.layout.padded_numel * 4 for u in units)
 
     _C.reset_peak_unsharded_bytes()
     names, largest_yielded = [], 0

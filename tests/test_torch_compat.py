@@ -23,7 +23,7 @@ def _device_id_string(rank, world_size):
 
     model = FSDP(nn.Linear(2, 2), device_id="cpu")
     model(torch.ones(1, 2)).sum().backward()
-    assert model._device == torch.device("cpu")
+    assert model._unit_state.device == torch.device("cpu")
     with pytest.raises(ValueError, match=r"device_id: 'nodevice' is not a device"):
         FSDP(nn.Linear(2, 2), device_id="nodevice")
 
@@ -40,7 +40,7 @@ def _ignore_the_root(rank, world_size):
         inner = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     with pytest.warns(UserWarning, match=r"ignored_modules contains the module being wrapped itself"):
         model = FSDP(inner, ignored_modules=[inner])
-    assert model._handle is None and all(p.numel() in (9, 3, 1) for p in model.parameters())
+    assert model._unit_state.handle is None and all(p.numel() in (9, 3, 1) for p in model.parameters())
     model(torch.ones(2, 3)).sum().backward()  # trains as the plain module, nothing gathered
     assert inner[0].weight.grad is not None
 

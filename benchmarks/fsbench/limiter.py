@@ -63,7 +63,7 @@ def run_limiter(ctx: Ctx, cfg: LimiterConfig) -> dict:
         for i in range(cfg.warmup):
             step(i)
         ctx.sync()
-        stalls_before = model._scheduler.limiter_stalls
+        stalls_before = model._unit_state.root.scheduler.limiter_stalls
         torch.cuda.reset_peak_memory_stats(ctx.device)
         times = []
         for i in range(cfg.steps):
@@ -77,7 +77,7 @@ def run_limiter(ctx: Ctx, cfg: LimiterConfig) -> dict:
         reserved = torch.cuda.max_memory_reserved(ctx.device)
         retries = torch.cuda.memory_stats(ctx.device).get("num_alloc_retries", 0)
         median_ms = statistics.median(times) * 1e3
-        got = ctx.all_reduce([median_ms, peak, reserved, retries, model._scheduler.limiter_stalls - stalls_before],
+        got = ctx.all_reduce([median_ms, peak, reserved, retries, model._unit_state.root.scheduler.limiter_stalls - stalls_before],
                              dist.ReduceOp.MAX)
         rows.append({"limit": limit, "median_ms": got[0], "peak_bytes": int(got[1]), "peak_reserved_bytes": int(got[2]),
                      "num_alloc_retries": int(got[3]), "limiter_stalls": int(got[4])})

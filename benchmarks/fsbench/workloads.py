@@ -192,7 +192,7 @@ def _one_size(ctx: Ctx, mb: int, plan: Plan) -> dict:
         model = FSDP(blob, device_id=ctx.device)  # one unit: the root
         with torch.no_grad():
             model(torch.ones(1, device=ctx.device))  # lazy init: creates the scheduler
-        sched, handle = model._scheduler, model._handle
+        sched, handle = model._unit_state.root.scheduler, model._unit_state.handle
         ag_in = full[ctx.rank * shard : (ctx.rank + 1) * shard].clone()
         grad = torch.randn(numel, generator=torch.Generator().manual_seed(100 + ctx.rank)).to(ctx.device)
     except Exception as e:  # noqa: BLE001 - reported in the row
@@ -215,7 +215,7 @@ def _one_size(ctx: Ctx, mb: int, plan: Plan) -> dict:
 
     def fs_reduce_scatter(_i: int) -> None:
         handle.accumulate_grad([grad])
-        sched.reduce_grad(handle, float(w), 1.0, False)
+        sched.reduce_grad(handle)  # the unit's own divide factors: the average over W
         sched.finish_grad_sync()
 
     def drop_grad(_i: int) -> None:
@@ -244,13 +244,13 @@ def _one_size(ctx: Ctx, mb: int, plan: Plan) -> dict:
 
 def _check_paths(ctx: Ctx, model, full: torch.Tensor, grad: torch.Tensor) -> bool:
     """flatshard's gather gives the full parameter, its reduction the raw SUM / W (collective)."""
-    sched, handle, w = model._scheduler, model._handle, ctx.world_size
+    sched, handle, w = model._unit_state.root.scheduler, model._unit_state.handle, ctx.world_size
     sched.unshard(handle)
     sched.wait_for_unshard(handle)
     gathered = bool(torch.equal(handle.unsharded[: full.numel()], full))
     sched.reshard(handle)
     handle.accumulate_grad([grad])
-    sched.reduce_grad(handle, float(w), 1.0, False)
+    sched.reduce_grad(handle)  # the unit's own divide factors: the average over W
     sched.finish_grad_sync()
     expected = torch.empty(full.numel() // w, device=full.device)
     dist.reduce_scatter_tensor(expected, grad.clone(), op=dist.ReduceOp.SUM)

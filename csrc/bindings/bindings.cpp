@@ -77,13 +77,16 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::string name, FlatParamLayout layout, std::int64_t rank,
                        const std::vector<at::Tensor>& params, std::optional<c10::Device> compute_device,
                        std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
-                       std::optional<at::ScalarType> grad_dtype, bool offload) {
-             flatshard::FlatParamOptions options{compute_device, param_dtype, reduce_dtype, grad_dtype, offload};
+                       std::optional<at::ScalarType> grad_dtype, bool offload, double predivide, double postdivide,
+                       bool all_reduce_replicas) {
+             flatshard::FlatParamOptions options{compute_device, param_dtype, reduce_dtype, grad_dtype, offload,
+                                                 predivide, postdivide, all_reduce_replicas};
              return std::make_unique<FlatParam>(std::move(name), std::move(layout), rank, params, options);
            }),
            py::arg("name"), py::arg("layout"), py::arg("rank"), py::arg("params"), py::kw_only(),
            py::arg("compute_device") = py::none(), py::arg("param_dtype") = py::none(),
            py::arg("reduce_dtype") = py::none(), py::arg("grad_dtype") = py::none(), py::arg("offload") = false,
+           py::arg("predivide") = 1.0, py::arg("postdivide") = 1.0, py::arg("all_reduce_replicas") = false,
            "See [Note: Mixed precision and offload] in csrc/flatshard/flat_param.h.")
       .def_property("name", &FlatParam::name, &FlatParam::set_name)
       .def_property_readonly("layout", &FlatParam::layout)
@@ -104,6 +107,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("param_dtype", &FlatParam::param_dtype)
       .def_property_readonly("reduce_dtype", &FlatParam::reduce_dtype)
       .def_property_readonly("offload", &FlatParam::offload)
+      .def_property_readonly("predivide", &FlatParam::predivide)
+      .def_property_readonly("postdivide", &FlatParam::postdivide)
+      .def_property_readonly("all_reduce_replicas", &FlatParam::all_reduce_replicas)
       .def(
           "accumulate_grad",
           [](FlatParam& self, const std::vector<std::optional<at::Tensor>>& grads) {
@@ -141,21 +147,48 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("world_size", &Scheduler::world_size)
       .def_property_readonly("has_events", &Scheduler::has_events)
       .def("unshard", &Scheduler::unshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
-      .def("wait_for_unshard", &Scheduler::wait_for_unshard, py::arg("unit"),
-           py::call_guard<py::gil_scoped_release>())
+      // [Note: One crossing per lifecycle step]
+      // The per-unit hot path crosses into C++ once per step of a unit's lifecycle:
+      // pre-forward and pre-backward are wait_for_unshard (with the prefetch and the
+      // views), post-backward is post_backward (with the reshard and the prefetch),
+      // and the reshard after forward is reshard. tests/test_crossings.py counts them.
+      .def(
+          "wait_for_unshard",
+          [](Scheduler& self, FlatParam& unit, FlatParam* prefetch, bool views) -> py::object {
+            {
+              py::gil_scoped_release no_gil;
+              self.wait_for_unshard(unit);
+              if (prefetch != nullptr) self.unshard(*prefetch);
+            }
+            if (!views) return py::none();
+            return py::cast(unit.views());
+          },
+          py::arg("unit"), py::arg("prefetch") = nullptr, py::arg("views") = false,
+          "Waits for `unit`'s all-gather (issuing it first if needed), then issues `prefetch`'s (a no-op "
+          "unless it is sharded); returns the unit's views of its unsharded buffer with `views`, else None.")
       .def("reshard", &Scheduler::reshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
-      .def("reduce_grad", &Scheduler::reduce_grad, py::arg("unit"), py::arg("predivide"), py::arg("postdivide"),
-           py::arg("all_reduce_replicas"), py::call_guard<py::gil_scoped_release>())
+      .def("reduce_grad", &Scheduler::reduce_grad, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
       .def(
           "post_backward",
-          [](Scheduler& self, FlatParam& unit, const std::vector<std::optional<at::Tensor>>& grads,
-             bool reduce, double predivide, double postdivide, bool all_reduce_replicas) {
+          [](Scheduler& self, FlatParam& unit, const std::vector<std::optional<at::Tensor>>& grads, bool reduce,
+             bool reshard, FlatParam* prefetch) {
             std::vector<at::Tensor> defined = undefined_for_none(grads);
             py::gil_scoped_release no_gil;
-            self.post_backward(unit, defined, reduce, predivide, postdivide, all_reduce_replicas);
+            const bool resharded = self.post_backward(unit, defined, reduce, reshard);
+            if (prefetch != nullptr) self.unshard(*prefetch);
+            return resharded;
           },
-          py::arg("unit"), py::arg("grads"), py::arg("reduce"), py::arg("predivide"), py::arg("postdivide"),
-          py::arg("all_reduce_replicas"))
+          py::arg("unit"), py::arg("grads"), py::arg("reduce"), py::arg("reshard"), py::arg("prefetch") = nullptr,
+          "Scheduler::post_backward, then issues `prefetch`'s all-gather (a no-op unless it is sharded); returns "
+          "whether the unit was resharded.")
+      .def(
+          "count_sharded",
+          [](const Scheduler&, const std::vector<FlatParam*>& units) {
+            std::int64_t n = 0;
+            for (const FlatParam* unit : units) n += unit->state() == flatshard::ShardedState::kSharded;
+            return n;
+          },
+          py::arg("units"), "How many of `units` are sharded (one crossing for the whole list).")
       .def("gather_full_precision", &Scheduler::gather_full_precision, py::arg("unit"),
            py::call_guard<py::gil_scoped_release>())
       .def("accumulate_reduced_grad", &Scheduler::accumulate_reduced_grad, py::arg("unit"), py::arg("grad_shard"),

@@ -106,6 +106,11 @@ FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank
   param_dtype_ = opts.param_dtype.value_or(options.dtype().toScalarType());
   reduce_dtype_ = opts.reduce_dtype.value_or(options.dtype().toScalarType());
   grad_dtype_ = opts.grad_dtype;
+  TORCH_CHECK(opts.predivide > 0 && opts.postdivide > 0, "flatshard: unit '", name_,
+              "': expected positive gradient divide factors but got ", opts.predivide, " and ", opts.postdivide);
+  predivide_ = opts.predivide;
+  postdivide_ = opts.postdivide;
+  all_reduce_replicas_ = opts.all_reduce_replicas;
   for (const auto& [what, dtype] : {std::pair{"param_dtype", opts.param_dtype}, std::pair{"reduce_dtype", opts.reduce_dtype}}) {
     TORCH_CHECK(!dtype.has_value() || c10::isFloatingType(*dtype), "flatshard: unit '", name_,
                 "': expected a floating-point ", what, " but got ", *dtype);
@@ -154,6 +159,24 @@ void FlatParam::make_buffers() {
     state_ = ShardedState::kSharded;
   }
   set_name(name_);  // also gives the placeholders their error message
+}
+
+void FlatParam::set_state(ShardedState next) {
+  const auto allowed = [&] {
+    switch (state_) {
+      case ShardedState::kSharded:
+        return next == ShardedState::kUnsharding || next == ShardedState::kUnsharded;
+      case ShardedState::kUnsharding:
+        return next == ShardedState::kUnsharded || next == ShardedState::kSharded;
+      case ShardedState::kUnsharded:
+        return next == ShardedState::kSharded;
+    }
+    return false;
+  };
+  TORCH_INTERNAL_ASSERT(allowed(), "flatshard: unit '", name_, "': no sharded-state transition from ",
+                        static_cast<int>(state_), " to ", static_cast<int>(next),
+                        " (see [Note: Sharded-state transitions])");
+  state_ = next;
 }
 
 void FlatParam::after_shard_cast() {

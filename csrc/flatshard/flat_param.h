@@ -38,8 +38,10 @@
 // accumulation is always in full precision.
 //
 // [Note: Unsharded storage]
-// The unsharded buffer is one tensor created once. Resharding resizes its
-// storage to zero bytes; unsharding resizes it back and all-gathers into it.
+// The unsharded buffer is one tensor, made at construction and made again only
+// when the shard's dtype changes (after_shard_cast, between iterations).
+// Resharding resizes its storage to zero bytes; unsharding resizes it back and
+// all-gathers into it.
 // Views handed to autograd alias that storage, so tensors autograd saved in
 // forward (e.g. a linear layer's weight) see the re-gathered values in backward
 // without the graph knowing. The all-gather writes through a second TensorImpl
@@ -102,6 +104,10 @@ struct FlatParamOptions {
   std::optional<c10::ScalarType> reduce_dtype;  // the gradient's dtype for its reduction
   std::optional<c10::ScalarType> grad_dtype;    // `.grad` after each reduction (keep_low_precision_grads)
   bool offload = false;                         // shard and `.grad` on the host (pinned with a GPU)
+  // How the unit's gradient is averaged (torch FSDP1's factors; see Scheduler::reduce_grad):
+  double predivide = 1.0;            // divided by this before the SUM
+  double postdivide = 1.0;           // and by this after it
+  bool all_reduce_replicas = false;  // hybrid sharding: the shard is then all-reduced over the replicate group
 };
 
 class FlatParam {
@@ -154,7 +160,18 @@ class FlatParam {
   const at::Tensor& unsharded() const { return unsharded_; }
   const at::Tensor& all_gather_target() const { return all_gather_target_; }
   ShardedState state() const { return state_; }
-  void set_state(ShardedState state) { state_ = state; }
+  // [Note: Sharded-state transitions]
+  // The one place a unit's sharded state changes (the scheduler's verbs call it):
+  //   kSharded    -> kUnsharding  all-gather issued (unshard)
+  //   kSharded    -> kUnsharded   nothing to gather: a replicated unit (unshard)
+  //   kUnsharding -> kUnsharded   all-gather waited for (wait_for_unshard)
+  //   kUnsharding -> kSharded     resharded with the all-gather in flight: waited first (reshard)
+  //   kUnsharded  -> kSharded     resharded (reshard)
+  // Anything else is a bug of ours: TORCH_INTERNAL_ASSERT naming the unit.
+  void set_state(ShardedState next);
+  double predivide() const { return predivide_; }
+  double postdivide() const { return postdivide_; }
+  bool all_reduce_replicas() const { return all_reduce_replicas_; }
 
   // Gives the unsharded buffer its storage. Safe to call twice. Allocates with
   // the current stream of the buffer's device.
@@ -226,6 +243,9 @@ class FlatParam {
   at::Tensor all_gather_target_;
   std::vector<at::Tensor> placeholder_views_;
   ShardedState state_ = ShardedState::kSharded;
+  double predivide_ = 1.0;
+  double postdivide_ = 1.0;
+  bool all_reduce_replicas_ = false;
   std::string all_gather_range_;
   std::string wait_range_;
   std::string reduce_scatter_range_;

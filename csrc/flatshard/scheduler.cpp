@@ -132,7 +132,7 @@ void Scheduler::reap_completed_reductions() {
   // Never one that would issue a replica all-reduce: when the host notices a
   // completion differs between ranks, and collectives must be issued in the
   // same order everywhere (NCCL requires it across communicators too).
-  while (!reductions_.empty() && !reductions_.front().all_reduce_replicas &&
+  while (!reductions_.empty() && !reductions_.front().unit->all_reduce_replicas() &&
          reductions_.front().shard_work.is_completed()) {
     complete_shard_reduction();
   }
@@ -219,16 +219,15 @@ void Scheduler::reshard(FlatParam& unit) {
   }
 }
 
-void Scheduler::reduce_grad(FlatParam& unit, double predivide, double postdivide, bool all_reduce_replicas) {
-  TORCH_CHECK(predivide > 0 && postdivide > 0, "flatshard: expected positive gradient divide factors but got ",
-              predivide, " and ", postdivide);
+void Scheduler::reduce_grad(FlatParam& unit) {
+  const double predivide = unit.predivide();
+  const bool all_reduce_replicas = unit.all_reduce_replicas();
   GroupPair& groups = groups_of(unit);
   TORCH_CHECK(!all_reduce_replicas || groups.replicate.has_value(), "flatshard: unit '", unit.name(),
               "' asks for a replica all-reduce but the scheduler has no replicate group");
   // See [Note: Reductions in flight].
   while (!reductions_.empty()) complete_shard_reduction();
-  PendingReduction record{&unit, unit.take_unsharded_grad(), at::Tensor(), postdivide,
-                          all_reduce_replicas, CommWork(), CommWork()};
+  PendingReduction record{&unit, unit.take_unsharded_grad(), at::Tensor(), CommWork(), CommWork()};
   const c10::Stream compute = current_stream();
   stream_wait(reduce_scatter_stream_, compute);
   c10::StreamGuard stream_guard(reduce_scatter_stream_);
@@ -257,15 +256,14 @@ void Scheduler::reduce_grad(FlatParam& unit, double predivide, double postdivide
   reductions_.push_back(std::move(record));
 }
 
-void Scheduler::post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce,
-                              double predivide, double postdivide, bool all_reduce_replicas) {
-  if (reduce) {
-    while (!reductions_.empty()) complete_shard_reduction();
-    // Every use's backward ran: the parameters go before the flat gradient comes.
-    reshard(unit);
-  }
+bool Scheduler::post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce,
+                              bool reshard_unit) {
+  if (reduce) while (!reductions_.empty()) complete_shard_reduction();
+  // Every use's backward ran: the parameters go before the flat gradient comes.
+  if (reduce || reshard_unit) reshard(unit);
   unit.accumulate_grad(grads);
-  if (reduce) reduce_grad(unit, predivide, postdivide, all_reduce_replicas);
+  if (reduce) reduce_grad(unit);
+  return reduce || reshard_unit;
 }
 
 void Scheduler::complete_shard_reduction() {
@@ -288,7 +286,7 @@ void Scheduler::complete_shard_reduction() {
   stream_wait(current_stream(), reduce_scatter_stream_);
   record.flat_grad = at::Tensor();  // (replicated: the output is the same tensor and lives on)
   std::optional<Collectives>& replicate = groups_of(*record.unit).replicate;
-  if (record.all_reduce_replicas && replicate->size() > 1) {
+  if (record.unit->all_reduce_replicas() && replicate->size() > 1) {
     while (!replica_reductions_.empty()) complete_replica_reduction();
     stream_wait(all_reduce_stream_, reduce_scatter_stream_);
     c10::StreamGuard stream_guard(all_reduce_stream_);
@@ -307,7 +305,7 @@ void Scheduler::complete_replica_reduction() {
   c10::StreamGuard stream_guard(all_reduce_stream_);
   wait_for(record.replica_work, *record.unit, "replica all-reduce");
   at::Tensor& shard_grad = record.grad_shard;
-  if (record.postdivide != 1.0) shard_grad.div_(record.postdivide);
+  if (record.unit->postdivide() != 1.0) shard_grad.div_(record.unit->postdivide());
   record.unit->accumulate_grad_shard(shard_grad);
   if (record.unit->has_offloaded_grads()) offloaded_.insert(record.unit);
   // `.grad` is read, and a dropped shard_grad's memory reused, in compute-stream order.

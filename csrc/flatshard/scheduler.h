@@ -7,6 +7,16 @@
 // reduce_grad / finish_grad_sync. Methods that may block say so; the bindings
 // release the GIL around them. Errors from collectives propagate as c10::Error.
 //
+// [Note: Who owns the units]
+// The scheduler borrows the FlatParams it is handed: its pending records (the
+// all-gathers in flight, the reductions in flight) point at them and it owns
+// none. Their owner is Python: each unit's state holds its FlatParam, and the
+// root's RootState holds both this scheduler and every unit of the root, so
+// every FlatParam the scheduler can reach lives at least as long as the
+// scheduler's use of it. A record is dropped when its collective completed
+// (wait_for_unshard, reshard, finish_grad_sync, abort_grad_sync); the
+// destructor drops what is left without dereferencing any unit.
+//
 // [Note: Streams]
 // All streams and events live here. On devices with events (CUDA) each
 // collective is issued on its own stream after that stream waited on an event
@@ -100,16 +110,17 @@ class Scheduler {
   // factors, see [Note: Mixed precision and offload]), then accumulated into
   // the local shard's `.grad`. See [Note: Reductions in flight]: first
   // completes the previous reduction, which may block.
-  void reduce_grad(FlatParam& unit, double predivide, double postdivide, bool all_reduce_replicas);
-  // A unit's post-backward in one call: accumulates `grads` (one per original
-  // parameter, undefined for none) into its unsharded flat gradient and, with
-  // `reduce` (no use of the unit is left in this backward), issues its
-  // reduction (reduce_grad). With `reduce`, the previous reduction is
-  // completed and the unit resharded before the gradients are flattened, so
-  // those buffers are gone before new ones are allocated. May block on that
-  // reduction.
-  void post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce,
-                     double predivide, double postdivide, bool all_reduce_replicas);
+  // The divide factors and the replica all-reduce are the unit's own
+  // (FlatParamOptions).
+  void reduce_grad(FlatParam& unit);
+  // A unit's post-backward in one call: with `reshard_unit` (no use of the
+  // unit is left in this backward), reshards it first; accumulates `grads`
+  // (one per original parameter, undefined for none) into its unsharded flat
+  // gradient; with `reduce` (implies resharding), issues its reduction
+  // (reduce_grad), after completing the previous one, so that the parameters
+  // and that reduction's buffers are gone before new ones are allocated. May
+  // block on that reduction. Returns whether the unit was resharded.
+  bool post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce, bool reshard_unit);
   // The whole flat parameter in the shard's own (full) precision on the
   // compute device, for summon_full_params and state dicts of units that
   // compute in another dtype or keep their shard on the host: a fresh tensor,
@@ -128,7 +139,7 @@ class Scheduler {
   // collectives were issued and must complete) and discards its result.
   // Blocks. `.grad` keeps what earlier completed reductions wrote.
   void abort_grad_sync();
-  // At interpreter exit (see [Note: Exit] in python/flatshard/_runtime.py):
+  // At interpreter exit (see [Note: Exit] in python/flatshard/_exit.py):
   // waits, up to `timeout_seconds`, for every collective this scheduler has in
   // flight, without changing any state; returns whether they all completed and
   // whether there were any (as {completed, had_any}). Blocks; never throws for
@@ -159,8 +170,6 @@ class Scheduler {
     FlatParam* unit;
     at::Tensor flat_grad;   // reduction input, held until the reduction completed
     at::Tensor grad_shard;  // reduction output
-    double postdivide;
-    bool all_reduce_replicas;
     CommWork shard_work;    // reduce-scatter (or all-reduce) over the shard group
     CommWork replica_work;  // all-reduce over the replicate group
     bool prefix_only = false;  // flat_grad is the trainable prefix, all-reduced (see [Note: Trainable prefix])

@@ -16,48 +16,53 @@ torch: their two-level reduction has no hook signature).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from flatshard._common import HYBRID, UsageError
 
+if TYPE_CHECKING:
+    from flatshard._state import UnitState
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
-def register(root: Any, state: object, hook: Callable) -> None:
+
+def register(root: FullyShardedDataParallel, state: object, hook: Callable) -> None:
     """See ``FullyShardedDataParallel.register_comm_hook``."""
     if not root.check_is_root():
         raise UsageError(
-            f"FullyShardedDataParallel.register_comm_hook: expected the root unit but '{root._unit_name}' is "
+            f"FullyShardedDataParallel.register_comm_hook: expected the root unit but '{root._unit_state.name}' is "
             f"nested; call it on the outermost FSDP module (it applies to every unit)."
         )
     if not callable(hook):
         raise ValueError(f"FullyShardedDataParallel.register_comm_hook: expected a callable hook but got {hook!r}")
-    for unit in root._units:
-        if unit._sharding_strategy in HYBRID:
+    states = [u._unit_state for u in root._unit_state.root.units]
+    for s in states:
+        if s.sharding_strategy in HYBRID:
             raise UsageError(
-                f"FullyShardedDataParallel.register_comm_hook: unit '{unit._unit_name or '<root>'}' uses "
-                f"{unit._sharding_strategy}, which takes no communication hook (as torch's FSDP); use "
+                f"FullyShardedDataParallel.register_comm_hook: unit '{s.label}' uses "
+                f"{s.sharding_strategy}, which takes no communication hook (as torch's FSDP); use "
                 f"FULL_SHARD, SHARD_GRAD_OP or NO_SHARD."
             )
-        if unit._comm_hook is not None:
+        if s.comm_hook is not None:
             raise UsageError(
                 "FullyShardedDataParallel.register_comm_hook: a communication hook is already registered; "
                 "register one, once, before training."
             )
-    for unit in root._units:
-        unit._comm_hook, unit._comm_hook_state = hook, state
-        if unit._handle is not None:  # a hook reduces the whole flat gradient ([Note: Trainable prefix])
-            unit._handle.set_reduce_prefix(-1)
+    for s in states:
+        s.comm_hook, s.comm_hook_state = hook, state
+        if s.handle is not None:  # a hook reduces the whole flat gradient ([Note: Trainable prefix])
+            s.handle.set_reduce_prefix(-1)
 
 
-def reduce(unit: Any) -> None:
+def reduce(s: UnitState) -> None:
     """The unit's accumulated unsharded gradient through its hook, into ``.grad`` (see the note)."""
-    handle = unit._handle
+    handle = s.handle
     grad = handle.take_unsharded_grad()
     if handle.is_replicated:
-        unit._comm_hook(unit._comm_hook_state, grad)
+        s.comm_hook(s.comm_hook_state, grad)
         output = grad
     else:
         output = torch.empty(handle.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-        unit._comm_hook(unit._comm_hook_state, grad, output)
-    unit._scheduler.accumulate_reduced_grad(handle, output)
+        s.comm_hook(s.comm_hook_state, grad, output)
+    s.root.scheduler.accumulate_reduced_grad(handle, output)

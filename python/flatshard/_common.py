@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from flatshard import _C
 from flatshard.api import ShardingStrategy
 
 logger = logging.getLogger("flatshard")
@@ -22,7 +21,6 @@ OWNER_ATTR = "_flatshard_owner"
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-SHARDED = _C.ShardedState.SHARDED
 
 
 class UsageError(RuntimeError, AssertionError):
@@ -62,21 +60,16 @@ def fsdp_modules(module: nn.Module, root_only: bool = False) -> list:
     return units
 
 
-def unit_label(unit: Any) -> str:
-    """How error messages name a unit: its name, or ``<root>``."""
-    return unit._unit_name or "<root>"
-
-
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
 
 
-def check_between_iterations(module: Any, what: str) -> None:
+def check_between_iterations(module: nn.Module, what: str) -> None:
     """Raises UsageError if a forward or backward of ``module``'s units is under way: ``what`` (a
     collective of its own) would interleave with the step's collectives and train wrong."""
-    roots = [u.__dict__.get("_root") or u for u in fsdp_modules(module)]
-    if in_backward() or any(r.__dict__.get("_in_forward_call") for r in roots):
+    roots = [u._unit_state.root for u in fsdp_modules(module)]
+    if in_backward() or any(r is not None and r.in_forward_call for r in roots):
         raise UsageError(f"{what}: called during forward or backward; call it between iterations.")
 
 

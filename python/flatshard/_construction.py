@@ -1,22 +1,27 @@
 """Building a unit: process groups, device, meta-device materialization, sync, the flat parameter.
 
-Everything here runs at wrap time (``FullyShardedDataParallel.__init__``) or at the
-root's lazy init, before the first forward; nothing here is on the per-step path.
+Everything here runs at wrap time (``FullyShardedDataParallel.__init__``); nothing
+here is on the per-step path (the root's lazy init is in _runtime.py, beside the
+lifecycle it starts).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _C, _mixed_precision, _orig_params, _rank_guard, _runtime
-from flatshard._common import FLAT_PARAM, HYBRID, OWNER_ATTR, clean_name, is_unit, join
+from flatshard import _C, _mixed_precision, _orig_params
+from flatshard._common import FLAT_PARAM, HYBRID, OWNER_ATTR, is_unit, join
+from flatshard._profiling import collective_range
 from flatshard.api import ShardingStrategy
+
+if TYPE_CHECKING:
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
 
 def resolve_groups(
@@ -200,26 +205,28 @@ def all_gather_limit(limit_all_gathers: bool) -> int:
     return limit
 
 
-def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], ignored_params: set[nn.Parameter]) -> None:
+def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored: set[nn.Module],
+                     ignored_params: set[nn.Parameter]) -> None:
     """Collects the unit's parameters, materializes and moves them, flattens and shards.
 
-    Sets ``unit._param_slots``, ``_param_names``, ``_param_local_names`` and
-    ``_handle`` (None for a unit without parameters of its own), and registers
-    the local shard as ``unit._flat_param``.
+    Sets the unit state's ``param_slots``, ``param_names``, ``param_local_names``,
+    ``handle`` (None for a unit without parameters of its own) and ``flat_param``
+    (the local shard, registered as the unit's ``_flat_param`` unless use_orig_params).
     """
+    s = unit._unit_state
     unit_mods = list(unit_modules(module, ignored))
-    if unit._param_init_fn is not None and has_meta(unit_mods):
-        meta_originals = materialize_with(unit._param_init_fn, unit_mods, unit._unit_name)
-        if not unit._device_id_given:  # as torch: the device param_init_fn chose
+    if s.param_init_fn is not None and has_meta(unit_mods):
+        meta_originals = materialize_with(s.param_init_fn, unit_mods, s.name)
+        if not s.device_id_given:  # as torch: the device param_init_fn chose
             real = [t for _, m in unit_mods for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
             if real:
-                unit._device = real[0].device
+                s.device = real[0].device
     else:
-        meta_originals = materialize_meta(unit_mods, unit._device, unit._unit_name)
+        meta_originals = materialize_meta(unit_mods, s.device, s.name)
     for _, m in unit_mods:  # buffers go where the parameters go (torch moves the whole module)
         for attr, b in m._buffers.items():
-            if b is not None and b.device != unit._device:
-                m._buffers[attr] = b.to(unit._device)
+            if b is not None and b.device != s.device:
+                m._buffers[attr] = b.to(s.device)
 
     params: list[nn.Parameter] = []
     names: list[str] = []
@@ -230,7 +237,7 @@ def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], igno
         for attr, p in m._parameters.items():
             if p is None or p in ignored_params:
                 continue
-            fqn = join(unit._unit_name, join(prefix, attr))
+            fqn = join(s.name, join(prefix, attr))
             check_not_owned(p, fqn)
             if id(p) not in index_of:
                 index_of[id(p)] = len(params)
@@ -239,108 +246,61 @@ def build_flat_param(unit: Any, module: nn.Module, ignored: set[nn.Module], igno
                 local_names.append(join(prefix, attr))
             slots.append((m, attr, index_of[id(p)]))
 
-    if unit._use_orig_params and len({p.requires_grad for p in params}) > 1:
+    if s.use_orig_params and len({p.requires_grad for p in params}) > 1:
         # Trainable parameters first, frozen ones after: see [Note: Trainable prefix] in flat_param.h.
         order = sorted(range(len(params)), key=lambda i: not params[i].requires_grad)
         new_index = {old: new for new, old in enumerate(order)}
         params, names, local_names = ([seq[i] for i in order] for seq in (params, names, local_names))
         slots = [(m, attr, new_index[i]) for m, attr, i in slots]
-    unit._param_slots = slots
-    unit._param_names = names
-    unit._param_local_names = local_names
-    unit._handle = None
+    s.param_slots = slots
+    s.param_names = names
+    s.param_local_names = local_names
+    s.handle = None
     if params:
-        check_uniform(params, names, unit._unit_name, mixed_requires_grad=unit._use_orig_params)
-    if params and params[0].device != unit._device:
+        check_uniform(params, names, s.name, mixed_requires_grad=s.use_orig_params)
+    if params and params[0].device != s.device:
         with torch.no_grad():
             for p in params:
-                p.data = p.data.to(unit._device)
-    if unit._sync_module_states:
+                p.data = p.data.to(s.device)
+    if s.sync_module_states:
         buffers = list({id(b): b for _, m in unit_mods for b in m._buffers.values() if b is not None}.values())
-        for group in (unit._process_group, unit._replicate_group):
+        for group in (s.process_group, s.replicate_group):
             if group is not None:
                 broadcast_from_first_rank([p.detach() for p in params] + buffers, group)
     if not params:
         return
     for p, fqn in zip(params, names):
-        setattr(p, OWNER_ATTR, (unit._unit_name, fqn))
+        setattr(p, OWNER_ATTR, (s.name, fqn))
         if id(p) in meta_originals:  # other units may still hold the meta original
-            setattr(meta_originals[id(p)], OWNER_ATTR, (unit._unit_name, fqn))
-    layout = _C.FlatParamLayout([list(p.shape) for p in params], unit._shard_factor)
+            setattr(meta_originals[id(p)], OWNER_ATTR, (s.name, fqn))
+    layout = _C.FlatParamLayout([list(p.shape) for p in params], s.shard_factor)
     dtypes = _mixed_precision.flat_param_dtypes(
-        unit._mixed_precision, params[0].dtype, unit._shard_factor == 1, unit._offload_params, unit._unit_name
+        s.mixed_precision, params[0].dtype, s.shard_factor == 1, s.offload_params, s.name,
     )
     with torch.no_grad():
-        shard_rank = unit._rank if unit._shard_factor > 1 else 0
-        unit._handle = _C.FlatParam(
-            unit._unit_name, layout, shard_rank, [p.detach() for p in params],
-            compute_device=unit._device, offload=unit._offload_params, **dtypes,
+        shard_rank = s.rank if s.shard_factor > 1 else 0
+        s.handle = _C.FlatParam(
+            s.name, layout, shard_rank, [p.detach() for p in params],
+            compute_device=s.device, offload=s.offload_params, **dtypes,
+            predivide=s.predivide, postdivide=s.postdivide, all_reduce_replicas=s.replicate_group is not None,
         )
-    flat = nn.Parameter(unit._handle.local_shard, requires_grad=any(p.requires_grad for p in params))
-    unit._handle.set_local_shard(flat)
-    if unit._use_orig_params:  # see [Note: Original parameters] in _orig_params.py
+    s.storage_changed()
+    flat = nn.Parameter(s.handle.local_shard, requires_grad=any(p.requires_grad for p in params))
+    s.handle.set_local_shard(flat)
+    s.flat_param = flat
+    if s.use_orig_params:  # see [Note: Original parameters] in _orig_params.py
         unit.__dict__[FLAT_PARAM] = flat
-        unit._frozen_indices = [i for i, p in enumerate(params) if not p.requires_grad] if flat.requires_grad else []
-        if unit._frozen_indices and not unit._handle.is_replicated:  # reduce the trainable prefix only
-            trainable = len(params) - len(unit._frozen_indices)
-            unit._handle.set_reduce_prefix(layout.offsets[trainable - 1] + layout.numels[trainable - 1])
-        _orig_params.init(unit, params)
+        s.frozen_indices = [i for i, p in enumerate(params) if not p.requires_grad] if flat.requires_grad else []
+        if s.frozen_indices and not s.handle.is_replicated:  # reduce the trainable prefix only
+            trainable = len(params) - len(s.frozen_indices)
+            s.handle.set_reduce_prefix(layout.offsets[trainable - 1] + layout.numels[trainable - 1])
+        _orig_params.init(s, params)
         return
     unit.register_parameter(FLAT_PARAM, flat)
     # The module attributes become plain tensors: views of the unsharded
     # buffer (storage-less while sharded, see [Note: Unsharded storage]).
     for m, attr, _ in slots:
         del m._parameters[attr]
-
-
-def lazy_init(root: Any) -> None:
-    """Makes ``root`` the root of every unit below it and creates the shared scheduler."""
-    units = []
-    for name, m in root.named_modules():
-        if is_unit(m):
-            if m._is_root is not None:
-                raise RuntimeError(
-                    f"FullyShardedDataParallel: unit '{clean_name(name)}' ran forward on its own "
-                    f"before its root; call the outermost FSDP module's forward."
-                )
-            units.append((clean_name(name), m))
-    for name, unit in units:
-        for attr, what in (("_device", "device_id"), ("_limit_all_gathers", "limit_all_gathers")):
-            if getattr(unit, attr) != getattr(root, attr):
-                raise ValueError(
-                    f"FullyShardedDataParallel: unit '{name}' has {what}={getattr(unit, attr)} but its root "
-                    f"has {getattr(root, attr)}; the units of one root share one runtime. Wrap them "
-                    f"with the same {what}."
-                )
-    scheduler = _C.Scheduler(
-        root._process_group, root._replicate_group, root._device, all_gather_limit(root._limit_all_gathers)
-    )
-    # Units over other groups (e.g. experts over an expert group): one pair each; see
-    # [Note: Groups per unit] in csrc/flatshard/scheduler.h.
-    pairs = {(id(root._process_group), id(root._replicate_group)): 0}
-    for name, unit in units:
-        key = (id(unit._process_group), id(unit._replicate_group))
-        if key not in pairs:
-            pairs[key] = scheduler.add_groups(unit._process_group, unit._replicate_group)
-        if unit._handle is not None:
-            unit._handle.group_index = pairs[key]
-    for name, unit in units:
-        unit._is_root = unit is root
-        # Not a submodule: through __dict__, so the module tree stays a tree.
-        unit.__dict__["_root"] = root
-        unit._scheduler = scheduler
-        unit._unit_name = name
-        if unit._handle is not None:
-            unit._handle.name = name
-        unit._forward_input_dtype = _mixed_precision.forward_input_dtype(unit._mixed_precision, unit is root)
-        _mixed_precision.cast_buffers(unit, list(unit_modules(unit._fsdp_wrapped_module, unit._ignored_modules)))
-    root._units = [u for _, u in units]
-    root._orig_param_units = [u for u in root._units if u._use_orig_params and u._handle is not None]
-    _runtime.register_for_exit(root)  # see [Note: Exit] in _runtime.py
-    guard_mode = _rank_guard.mode()
-    if guard_mode != "off":  # see [Note: Rank-divergence guard]
-        root.__dict__["_rank_guard"] = _rank_guard.create(root)
-        scheduler.set_sequence_check(guard_mode == "strict")
 
 
 def materialize_meta(
@@ -495,10 +455,12 @@ def broadcast_from_first_rank(tensors: list[torch.Tensor], group: dist.ProcessGr
     with torch.no_grad():
         for bucket in buckets:
             if len(bucket) == 1 and bucket[0].is_contiguous():
-                dist.broadcast(bucket[0], src=src, group=group)
+                with collective_range("sync_module_states broadcast"):
+                    dist.broadcast(bucket[0], src=src, group=group)
                 continue
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.broadcast(flat, src=src, group=group)
+            with collective_range("sync_module_states broadcast"):
+                dist.broadcast(flat, src=src, group=group)
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))

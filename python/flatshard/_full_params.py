@@ -1,4 +1,4 @@
-"""Full-parameter access between iterations: ``summon_full_params``, ``apply``, ``clip_grad_norm_``.
+"""Full-parameter access between iterations: ``summon_full_params`` and ``apply``.
 
 Each gathers what it needs through the same scheduler verbs as training
 (unshard, wait, reshard) and leaves nothing unsharded behind.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,14 @@ from torch import nn
 
 from flatshard import _C, _orig_params, _rank_guard
 from flatshard._common import FLAT_PARAM, UsageError, fsdp_modules, in_backward, is_unit
-from flatshard._runtime import abort_backward, reshard
+from flatshard._profiling import collective_range
+from flatshard._runtime import abort_backward, lazy_init, reshard
+from flatshard._state import TrainingState, UnitState
+
+if TYPE_CHECKING:
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
+
+IDLE, SUMMONING = TrainingState.IDLE, TrainingState.SUMMONING
 
 
 @contextlib.contextmanager
@@ -32,22 +39,23 @@ def summon_full_params(
 ) -> Iterator[None]:
     """See ``FullyShardedDataParallel.summon_full_params`` and [Note: Summoning]. ``guard_phase``: how
     the rank-divergence guard names the call (None: the caller ran the guard)."""
-    roots = [module] if is_unit(module) else fsdp_modules(module, root_only=True)
-    for root in roots:
-        if root._is_root is None:
-            root._lazy_init()
-    units = fsdp_modules(module) if recurse else roots
-    units = [u for u in units if not u._in_summon]
-    if in_backward() or any(root.__dict__.get("_in_forward_call") for root in roots):
+    tops = [module] if is_unit(module) else fsdp_modules(module, root_only=True)
+    for top in tops:
+        if top._unit_state.is_root is None:
+            lazy_init(top)
+    roots = list({id(r): r for r in (top._unit_state.root for top in tops)}.values())
+    units = [u for u in (fsdp_modules(module) if recurse else tops) if u._unit_state.training_state is not SUMMONING]
+    if in_backward() or any(root.in_forward_call for root in roots):
         raise UsageError(
             "summon_full_params: called during forward or backward; call it between iterations (or before "
             "the forward whose parameters it should show)."
         )
-    if guard_phase is not None and any(u._handle is not None and not u._handle.is_replicated for u in units):
+    if guard_phase is not None and any(u._unit_state.handle is not None and not u._unit_state.handle.is_replicated
+                                       for u in units):
         for root in roots:
             _rank_guard.check(root, guard_phase)
     for root in roots:
-        if root._final_callback_queued:
+        if root.final_callback_queued:
             abort_backward(root)
     options = _Options(writeback, rank0_only, offload_to_cpu, with_grads)
     entered: list[_Summoned] = []
@@ -89,7 +97,7 @@ class _Options:
 
 @dataclasses.dataclass
 class _Summoned:
-    unit: Any
+    unit: FullyShardedDataParallel
     full: torch.Tensor | None = None  # the full buffer the exposed parameters are views of
     grad: torch.Tensor | None = None  # the full gradient (with_grads), or None
     exposed: bool = False  # False on ranks other than the first with rank0_only
@@ -98,40 +106,41 @@ class _Summoned:
     flat: nn.Parameter | None = None  # use_orig_params=False: the flat parameter, unregistered meanwhile
 
 
-def _expose_full_params(unit: Any, options: _Options) -> _Summoned:
+def _expose_full_params(unit: FullyShardedDataParallel, options: _Options) -> _Summoned:
+    s = unit._unit_state
     summoned = _Summoned(unit)
-    unit._in_summon = True
-    handle = unit._handle
+    s.training_state = SUMMONING
+    handle = s.handle
     if handle is None:
         return summoned
-    if unit._use_orig_params:
-        _orig_params.writeback(unit)
-    gathered_in_place = _computes_as_stored(unit)
+    if s.use_orig_params:
+        _orig_params.writeback(s)
+    gathered_in_place = _computes_as_stored(s)
     if gathered_in_place:
-        unit._scheduler.unshard(handle)
-        unit._scheduler.wait_for_unshard(handle)
+        s.root.scheduler.unshard(handle)
+        s.root.scheduler.wait_for_unshard(handle)
         full = handle.unsharded
     else:  # full precision, on the compute device (see [Note: Mixed precision and offload])
-        full = unit._scheduler.gather_full_precision(handle)
-    grad = _gather_full_grad(unit) if options.with_grads else None
+        full = s.root.scheduler.gather_full_precision(handle)
+    grad = _gather_full_grad(s) if options.with_grads else None
     summoned.has_grad = grad is not None
-    summoned.exposed = not options.rank0_only or dist.get_rank(unit._process_group) == 0
+    summoned.exposed = not options.rank0_only or dist.get_rank(s.process_group) == 0
     if not summoned.exposed:
         if gathered_in_place:
-            reshard(unit)
+            reshard(s)
         return summoned
     if options.offload_to_cpu and full.device.type != "cpu":
         full, grad = full.cpu(), (grad.cpu() if grad is not None else None)
         if gathered_in_place:
-            reshard(unit)
+            reshard(s)
     summoned.full, summoned.grad = full, grad
     views = _C.views_of(full, handle.layout)
     grads = _C.views_of(grad, handle.layout) if grad is not None else [None] * len(views)
-    for m, attr, _ in unit._param_slots:
+    for m, attr, _ in s.param_slots:
         m.__dict__.pop(attr, None)
-    if unit._use_orig_params:  # the registered parameters themselves show the full values
+    if s.use_orig_params:  # the registered parameters themselves show the full values
         with torch.no_grad():
-            for p, v, g in zip(unit._orig_params, views, grads):
+            for p, v, g in zip(s.orig_params, views, grads):
                 p.data = v
                 p.grad = g if p.requires_grad else None
         return summoned
@@ -139,63 +148,66 @@ def _expose_full_params(unit: Any, options: _Options) -> _Summoned:
     summoned.params = [nn.Parameter(v, requires_grad=summoned.flat.requires_grad) for v in views]
     for p, g in zip(summoned.params, grads):
         p.grad = g
-    for m, attr, index in unit._param_slots:
+    for m, attr, index in s.param_slots:
         m._parameters[attr] = summoned.params[index]
     return summoned
 
 
-def _gather_full_grad(unit: Any) -> torch.Tensor | None:
+def _gather_full_grad(s: UnitState) -> torch.Tensor | None:
     """The unit's full gradient on the compute device, zeros where a rank has none; None if no rank
     has one (collective over the unit's shard group)."""
-    handle = unit._handle
-    flat = unit._flat_param
+    handle = s.handle
+    flat = s.flat_param
     local = flat.grad
-    any_grad = torch.tensor([0.0 if local is None else 1.0], device=unit._device)
-    dist.all_reduce(any_grad, op=dist.ReduceOp.MAX, group=unit._process_group)
+    any_grad = torch.tensor([0.0 if local is None else 1.0], device=s.device)
+    with collective_range("summon_full_params all_reduce (any gradient)", s.name):
+        dist.all_reduce(any_grad, op=dist.ReduceOp.MAX, group=s.process_group)
     if not any_grad.item():
         return None
-    local = (torch.zeros_like(flat) if local is None else local.detach()).to(unit._device, flat.dtype)
+    local = (torch.zeros_like(flat) if local is None else local.detach()).to(s.device, flat.dtype)
     if handle.is_replicated:
         return local.clone()
     full = local.new_empty(handle.layout.padded_numel)
-    dist.all_gather_into_tensor(full, local.contiguous(), group=unit._process_group)
+    with collective_range("summon_full_params all_gather (gradient)", s.name):
+        dist.all_gather_into_tensor(full, local.contiguous(), group=s.process_group)
     return full
 
 
 def _hide_full_params(summoned: _Summoned, options: _Options) -> None:
     unit = summoned.unit
-    unit._in_summon = False
-    handle = unit._handle
+    s = unit._unit_state
+    s.training_state = IDLE
+    handle = s.handle
     if handle is None:
         return
-    flat = summoned.flat if summoned.flat is not None else unit._flat_param
+    flat = summoned.flat if summoned.flat is not None else s.flat_param
     if summoned.exposed:
-        if unit._use_orig_params:
+        if s.use_orig_params:
             with torch.no_grad():
-                for p, v in zip(unit._orig_params, _C.views_of(summoned.full, handle.layout)):
+                for p, v in zip(s.orig_params, _C.views_of(summoned.full, handle.layout)):
                     if options.writeback and p.data.data_ptr() != v.data_ptr():  # replaced inside the context
                         v.copy_(p.data.reshape(v.shape))
         else:
-            for m, attr, _ in unit._param_slots:
+            for m, attr, _ in s.param_slots:
                 m._parameters.pop(attr, None)
             unit.register_parameter(FLAT_PARAM, flat)
     if options.writeback:
-        _write_back(unit, summoned, flat, options)
+        _write_back(s, summoned, flat, options)
     # Parameters a caller kept from inside the context must not read freed
     # storage: they become empty (clone inside the context to keep values).
     for p in summoned.params:
         p.data = p.data.new_empty(0)
         p.grad = None
-    reshard(unit)
-    if unit._use_orig_params:
-        _orig_params.use_sharded_views(unit)
-        _orig_params.use_grad_views(unit)
+    reshard(s)
+    if s.use_orig_params:
+        _orig_params.use_sharded_views(s)
+        _orig_params.use_grad_views(s)
 
 
 @torch.no_grad()
-def _write_back(unit: Any, summoned: _Summoned, flat: nn.Parameter, options: _Options) -> None:
+def _write_back(s: UnitState, summoned: _Summoned, flat: nn.Parameter, options: _Options) -> None:
     """Each rank's part of the full buffer (and gradient) into its shard; see [Note: Summoning]."""
-    handle = unit._handle
+    handle = s.handle
     sources = [(summoned.full, flat)]
     if summoned.has_grad:
         if flat.grad is None:
@@ -204,81 +216,28 @@ def _write_back(unit: Any, summoned: _Summoned, flat: nn.Parameter, options: _Op
     begin, end = handle.layout.shard_range(handle.rank)
     for full, target in sources:
         if options.rank0_only:
-            buffer = (full.to(unit._device) if summoned.exposed
-                      else torch.empty(handle.layout.padded_numel, dtype=target.dtype, device=unit._device))
-            dist.broadcast(buffer, src=dist.get_global_rank(unit._process_group, 0), group=unit._process_group)
+            buffer = (full.to(s.device) if summoned.exposed
+                      else torch.empty(handle.layout.padded_numel, dtype=target.dtype, device=s.device))
+            with collective_range("summon_full_params broadcast (rank0_only writeback)", s.name):
+                dist.broadcast(buffer, src=dist.get_global_rank(s.process_group, 0), group=s.process_group)
             full = buffer
         target.copy_(full[begin:end])
 
 
-def _computes_as_stored(unit: Any) -> bool:
+def _computes_as_stored(s: UnitState) -> bool:
     """Whether the unsharded buffer holds the shard's own dtype on the shard's own device."""
-    handle = unit._handle
-    return handle.param_dtype == unit._flat_param.dtype and not handle.offload
+    handle = s.handle
+    return handle.param_dtype == s.flat_param.dtype and not handle.offload
 
 
-def apply(unit: Any, fn: Callable[[nn.Module], None]) -> Any:
+def apply(unit: FullyShardedDataParallel, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
     """See ``FullyShardedDataParallel.apply``."""
-    uninitialized = unit._is_root is None
+    uninitialized = unit._unit_state.is_root is None
     with summon_full_params(unit, recurse=False, writeback=True):
         out = nn.Module.apply(unit, fn)
     if uninitialized:
         # Summoning made this unit a root; it may not be the real one (apply
         # on inner units before wrapping their parent): decide at the first forward.
-        for _, u in unit.named_modules():
-            if is_unit(u):
-                u._is_root = None
-                u.__dict__["_root"] = None
-                u._scheduler = None
-                u._units = []
+        for u in fsdp_modules(unit):
+            u._unit_state.drop_root()
     return out
-
-
-@torch.no_grad()
-def clip_grad_norm(root: Any, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
-    """See ``FullyShardedDataParallel.clip_grad_norm_``."""
-    if root._is_root is None:
-        root._lazy_init()
-    if not root._is_root:
-        raise RuntimeError(
-            f"FullyShardedDataParallel.clip_grad_norm_: expected the root unit but '{root._unit_name}' "
-            f"is nested; call it on the outermost FSDP module."
-        )
-    _rank_guard.check(root, "clip_grad_norm_()")
-    norm_type = float(norm_type)
-    sharded, replicated = [], []
-    managed = set()
-    for unit in root._units:
-        if unit._handle is None:
-            continue
-        managed.add(id(unit._flat_param))
-        if unit._use_orig_params:  # gradients as the user left them, into the flat gradient
-            _orig_params.writeback(unit)
-            managed.update(id(p) for p in unit._orig_params)
-        if unit._flat_param.grad is not None:
-            (replicated if unit._handle.is_replicated else sharded).append(unit._flat_param.grad)
-    replicated += [p.grad for p in root.parameters() if id(p) not in managed and p.grad is not None]
-    grads = sharded + replicated
-    dtype = grads[0].dtype if grads else torch.float32
-    for g in grads[1:]:
-        dtype = torch.promote_types(dtype, g.dtype)
-
-    def local(gs: list[torch.Tensor]) -> torch.Tensor:
-        # On the compute device: the collective needs it there (offloaded gradients are on the host).
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(root._device) for g in gs]
-        if not norms:
-            return torch.zeros((), device=root._device)
-        norms = torch.stack(norms)
-        return norms.max() if norm_type == math.inf else (norms**norm_type).sum()
-
-    shard_part, replicated_part = local(sharded), local(replicated)
-    if norm_type == math.inf:
-        dist.all_reduce(shard_part, op=dist.ReduceOp.MAX, group=root._process_group)
-        total = torch.maximum(shard_part, replicated_part)
-    else:
-        dist.all_reduce(shard_part, group=root._process_group)
-        total = (shard_part + replicated_part) ** (1.0 / norm_type)
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
-    return total.to(dtype)

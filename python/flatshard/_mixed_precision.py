@@ -24,12 +24,15 @@ What each ``MixedPrecision`` field does here is what torch's FSDP1 does with it:
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from flatshard._common import map_tensors
+from flatshard._common import fsdp_modules, map_tensors
+
+if TYPE_CHECKING:
+    from flatshard._state import UnitState
 from flatshard.api import CPUOffload, MixedPrecision
 
 _FIELDS = ("param_dtype", "reduce_dtype", "buffer_dtype")
@@ -121,17 +124,17 @@ def cast_floating(dtype: torch.dtype, obj: Any) -> Any:
     return map_tensors(cast, obj)
 
 
-def cast_buffers(unit: Any, unit_modules: list[tuple[str, nn.Module]]) -> None:
+def cast_buffers(s: UnitState, unit_modules: list[tuple[str, nn.Module]]) -> None:
     """At the root's lazy init: the unit's floating-point buffers to ``buffer_dtype``, remembering
-    each one's original dtype for state dicts (``unit._buffer_orig_dtypes``: (module, name) -> dtype).
+    each one's original dtype for state dicts (``buffer_orig_dtypes``: (module, name) -> dtype).
     Safe to call twice (a lazy init undone by ``apply`` runs again)."""
-    mp = unit._mixed_precision
+    mp = s.mixed_precision
     if mp is None or mp.buffer_dtype is None:
         return
     for _, m in unit_modules:
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_floating_point() and b.dtype != mp.buffer_dtype:
-                unit._buffer_orig_dtypes.setdefault((m, name), b.dtype)
+                s.buffer_orig_dtypes.setdefault((m, name), b.dtype)
                 # In place, as torch: a buffer shared by several modules stays one tensor.
                 b.data = b.data.to(mp.buffer_dtype)
 
@@ -139,8 +142,8 @@ def cast_buffers(unit: Any, unit_modules: list[tuple[str, nn.Module]]) -> None:
 def original_buffer_dtypes(root: nn.Module) -> dict[int, torch.dtype]:
     """id(buffer) -> original dtype, for every buffer a unit in ``root`` cast to ``buffer_dtype``."""
     out = {}
-    for unit in root.modules():
-        for (m, name), dtype in getattr(unit, "_buffer_orig_dtypes", {}).items():
+    for unit in fsdp_modules(root):
+        for (m, name), dtype in unit._unit_state.buffer_orig_dtypes.items():
             b = m._buffers.get(name)
             if b is not None:
                 out[id(b)] = dtype

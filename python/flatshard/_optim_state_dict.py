@@ -13,7 +13,7 @@ concatenates a unit's entries in flat order, pads, and keeps its shard.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,8 +23,13 @@ from torch.distributed.tensor import DTensor
 
 from flatshard import _rank_guard
 from flatshard._common import check_between_iterations, clean_name, fsdp_modules, is_unit, join
+from flatshard._profiling import collective_range
+from flatshard._runtime import lazy_init
 from flatshard._sharded_state_dict import is_sharded, to_dtensor, to_full
 from flatshard.api import StateDictType
+
+if TYPE_CHECKING:
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
 
 def optim_state_dict(
@@ -50,7 +55,7 @@ def optim_state_dict(
         )
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     entries, config = _optim_entries(model, optim, "optim_state_dict")
-    sharded = fsdp_modules(model)[0]._state_dict_type != StateDictType.FULL_STATE_DICT  # LOCAL: as torch, SHARDED
+    sharded = fsdp_modules(model)[0]._unit_state.state_dict_type != StateDictType.FULL_STATE_DICT  # LOCAL: as torch, SHARDED
     rank0_only = getattr(config, "rank0_only", False) if rank0_only is None else rank0_only
     offload_to_cpu = config.offload_to_cpu if offload_to_cpu is None else offload_to_cpu
     _check_same_state_keys(entries, osd)
@@ -121,7 +126,8 @@ def optim_state_dict_to_load(
                 torch.Tensor, lambda t: t.detach().cpu(), optim_state_dict
             )
         box = [optim_state_dict if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        with collective_range("optim_state_dict_to_load broadcast_object_list (rank 0's dict)"):
+            dist.broadcast_object_list(box, src=0)
         optim_state_dict = box[0]
     if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict or "param_groups" not in optim_state_dict:
         raise ValueError(
@@ -150,7 +156,7 @@ def optim_state_dict_to_load(
             raise ValueError(
                 f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict has state for "
                 f"'{present[0]}' but not for {missing}, which the optimizer steps as one flat "
-                f"parameter (unit '{entry.unit._unit_name or '<root>'}'); save and load the whole model's "
+                f"parameter (unit '{entry.unit._unit_state.label}'); save and load the whole model's "
                 f"optimizer state."
             )
         device = entry.param.device
@@ -204,7 +210,7 @@ def _unit_param_shapes(entries: list[_OptimEntry]) -> dict[str, torch.Size]:
     for entry in entries:
         if entry.unit is None:
             continue
-        layout_shapes = entry.unit._handle.layout.shapes
+        layout_shapes = entry.unit._unit_state.handle.layout.shapes
         if entry.orig_index is not None:
             shapes[entry.names[0]] = torch.Size(layout_shapes[entry.orig_index])
         else:
@@ -217,7 +223,7 @@ class _OptimEntry:
     order), an original parameter of a ``use_orig_params`` unit (``unit`` and ``orig_index``
     set; ``names`` its one name), or a plain parameter (``names`` is its one name)."""
 
-    def __init__(self, param: nn.Parameter, unit: Any, names: list[str], orig_index: int | None = None):
+    def __init__(self, param: nn.Parameter, unit: FullyShardedDataParallel | None, names: list[str], orig_index: int | None = None):
         self.param, self.unit, self.names, self.orig_index = param, unit, names, orig_index
 
 
@@ -228,12 +234,12 @@ def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) ->
         raise ValueError(f"FullyShardedDataParallel.{what}: expected a model with FSDP units but found none")
     check_between_iterations(model, f"FullyShardedDataParallel.{what}")
     for root in fsdp_modules(model, root_only=True):
-        if root._is_root is None:
-            root._lazy_init()
-        _rank_guard.check(root, f"{what}()")
-    unit_of = {id(u._flat_param): u for u in units if u._handle is not None and not u._use_orig_params}
-    orig_of = {id(p): (u, i) for u in units if u._handle is not None and u._use_orig_params
-               for i, p in enumerate(u._orig_params)}
+        if root._unit_state.is_root is None:
+            lazy_init(root)
+        _rank_guard.check(root._unit_state.root, f"{what}()")
+    unit_of = {id(u._unit_state.flat_param): u for u in units if u._unit_state.handle is not None and not u._unit_state.use_orig_params}
+    orig_of = {id(p): (u, i) for u in units if u._unit_state.handle is not None and u._unit_state.use_orig_params
+               for i, p in enumerate(u._unit_state.orig_params)}
     # Names relative to ``model``: the unit's path in it, then the parameter's path in the unit.
     path_of = {id(m): clean_name(n) for n, m in model.named_modules() if is_unit(m)}
     plain_names: dict[int, str] = {}
@@ -245,7 +251,7 @@ def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) ->
         for p in group_["params"]:
             if id(p) in orig_of:
                 unit, i = orig_of[id(p)]
-                entries.append(_OptimEntry(p, unit, [join(path_of[id(unit)], unit._param_local_names[i])], i))
+                entries.append(_OptimEntry(p, unit, [join(path_of[id(unit)], unit._unit_state.param_local_names[i])], i))
                 continue
             unit = unit_of.get(id(p))
             if unit is None:
@@ -256,21 +262,22 @@ def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) ->
                     )
                 entries.append(_OptimEntry(p, None, [plain_names[id(p)]]))
                 continue
-            entries.append(_OptimEntry(p, unit, [join(path_of[id(unit)], n) for n in unit._param_local_names]))
-    return entries, units[0]._optim_state_dict_config
+            entries.append(_OptimEntry(p, unit, [join(path_of[id(unit)], n) for n in unit._unit_state.param_local_names]))
+    return entries, units[0]._unit_state.optim_state_dict_config
 
 
 def _check_same_state_keys(entries: list[_OptimEntry], osd: dict[str, Any]) -> None:
     """Every rank must have the same state keys per unit, or the gathers below would not pair up."""
-    mine = [sorted(osd["state"].get(i, {})) if e.unit is not None and not e.unit._handle.is_replicated
+    mine = [sorted(osd["state"].get(i, {})) if e.unit is not None and not e.unit._unit_state.handle.is_replicated
             and e.orig_index is None else None for i, e in enumerate(entries)]
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    with collective_range("optim_state_dict all_gather_object (state keys)"):
+        dist.all_gather_object(everyone, mine)
     for rank, theirs in enumerate(everyone):
         for entry, a, b in zip(entries, mine, theirs):
             if a != b:
                 raise ValueError(
-                    f"FullyShardedDataParallel.optim_state_dict: unit '{entry.unit._unit_name or '<root>'}' has "
+                    f"FullyShardedDataParallel.optim_state_dict: unit '{entry.unit._unit_state.label}' has "
                     f"optimizer state {a} on rank {dist.get_rank()} but {b} on rank {rank}; every rank must "
                     f"step the same parameters before saving (e.g. call optim.step() on every rank)."
                 )
@@ -279,7 +286,7 @@ def _check_same_state_keys(entries: list[_OptimEntry], osd: dict[str, Any]) -> N
 def _unflatten_state(entry: _OptimEntry, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """One unit's flat-shard optimizer state as full per-parameter state. Collective over its shard group."""
     unit = entry.unit
-    handle = unit._handle
+    handle = unit._unit_state.handle
     layout = handle.layout
     per_param: dict[str, dict[str, Any]] = {n: {} for n in entry.names}
 
@@ -295,9 +302,10 @@ def _unflatten_state(entry: _OptimEntry, values: dict[str, Any]) -> dict[str, di
             flat = value.detach()
             if not handle.is_replicated:
                 # On the compute device: an offloaded shard's state is on the host.
-                local = flat.to(unit._device).contiguous()
+                local = flat.to(unit._unit_state.device).contiguous()
                 gathered = local.new_empty(layout.padded_numel)
-                dist.all_gather_into_tensor(gathered, local, group=unit._process_group)
+                with collective_range("optim_state_dict all_gather", unit._unit_state.name):
+                    dist.all_gather_into_tensor(gathered, local, group=unit._unit_state.process_group)
                 flat = gathered
             for name, offset, numel, shape in zip(entry.names, layout.offsets, layout.numels, layout.shapes):
                 per_param[name][key] = flat[offset : offset + numel].view(shape).clone()
@@ -309,12 +317,12 @@ def _unflatten_state(entry: _OptimEntry, values: dict[str, Any]) -> dict[str, di
 
 def _flatten_state(entry: _OptimEntry, saved: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
     """Full per-parameter optimizer state (in the unit's flat order) as this rank's flat-shard state."""
-    handle = entry.unit._handle
+    handle = entry.unit._unit_state.handle
     layout = handle.layout
     out: dict[str, Any] = {}
     if all(len(shape) == 0 for shape in layout.shapes):
         raise NotImplementedError(
-            f"FullyShardedDataParallel.optim_state_dict_to_load: unit '{entry.unit._unit_name or '<root>'}' "
+            f"FullyShardedDataParallel.optim_state_dict_to_load: unit '{entry.unit._unit_state.label}' "
             f"holds only 0-dim parameters, whose per-element state cannot be told from a scalar such "
             f"as 'step'; wrap them together with other parameters."
         )
@@ -339,20 +347,20 @@ def _flatten_state(entry: _OptimEntry, saved: list[dict[str, Any]], device: torc
     return out
 
 
-def _orig_slices(unit: Any) -> dict[int, tuple[int, int, int]]:
+def _orig_slices(unit: FullyShardedDataParallel) -> dict[int, tuple[int, int, int]]:
     """param index -> (offset in the parameter, offset in the shard, numel) of this rank's piece."""
-    handle = unit._handle
+    handle = unit._unit_state.handle
     layout = handle.layout
     if handle.is_replicated:
         return {i: (0, layout.offsets[i], layout.numels[i]) for i in range(layout.num_params)}
     return {i: (op, os_, n) for i, op, os_, n in layout.shard_slices(handle.rank)}
 
 
-def _unflatten_orig_state(unit: Any, members: list[tuple[int, _OptimEntry]], osd: dict[str, Any]) -> dict:
+def _unflatten_orig_state(unit: FullyShardedDataParallel, members: list[tuple[int, _OptimEntry]], osd: dict[str, Any]) -> dict:
     """A ``use_orig_params`` unit's optimizer state, kept per piece of parameter in this rank's
     shard, as full per-parameter state: the pieces are laid into a flat shard per key and
     all-gathered (collective over the unit's shard group). Keys must agree across ranks."""
-    handle = unit._handle
+    handle = unit._unit_state.handle
     layout = handle.layout
     slices = _orig_slices(unit)
     shard_numel = layout.padded_numel if handle.is_replicated else layout.shard_numel
@@ -372,8 +380,10 @@ def _unflatten_orig_state(unit: Any, members: list[tuple[int, _OptimEntry]], osd
     if not handle.is_replicated:
         holds_trainable = any(slices.get(e.orig_index, (0, 0, 0))[2] > 0 and e.param.requires_grad
                               for _, e in members)
-        everyone: list[Any] = [None] * dist.get_world_size(unit._process_group)
-        dist.all_gather_object(everyone, (holds_trainable, list(kinds.items())), group=unit._process_group)
+        everyone: list[Any] = [None] * dist.get_world_size(unit._unit_state.process_group)
+        with collective_range("optim_state_dict all_gather_object (state kinds)", unit._unit_state.name):
+            dist.all_gather_object(everyone, (holds_trainable, list(kinds.items())),
+                                   group=unit._unit_state.process_group)
         merged: dict[str, tuple[str, Any]] = {}
         for _, theirs in everyone:
             for k, kind in theirs:
@@ -381,7 +391,7 @@ def _unflatten_orig_state(unit: Any, members: list[tuple[int, _OptimEntry]], osd
         key_sets = [sorted(k for k, _ in theirs) for held, theirs in everyone if held]
         if any(keys != key_sets[0] for keys in key_sets) or (holds_trainable and sorted(kinds) != sorted(merged)):
             raise ValueError(
-                f"FullyShardedDataParallel.optim_state_dict: unit '{unit._unit_name or '<root>'}' has optimizer "
+                f"FullyShardedDataParallel.optim_state_dict: unit '{unit._unit_state.label}' has optimizer "
                 f"state {sorted(kinds)} on this rank but {[sorted(k for k, _ in t) for _, t in everyone]} across "
                 f"its ranks; every rank must step the same parameters before saving (e.g. call optim.step() on "
                 f"every rank)."
@@ -391,16 +401,17 @@ def _unflatten_orig_state(unit: Any, members: list[tuple[int, _OptimEntry]], osd
     out: dict[str, dict[str, Any]] = {entry.names[0]: {} for _, entry in members}
     for key in keys:
         kind, info = kinds[key]
-        flat = torch.zeros(shard_numel, dtype=getattr(torch, info), device=unit._device) if kind == "tensor" else None
+        flat = torch.zeros(shard_numel, dtype=getattr(torch, info), device=unit._unit_state.device) if kind == "tensor" else None
         scalar = info if kind == "scalar" else None
         for index, entry in members:
             value = osd["state"].get(index, {}).get(key)
             if value is not None and flat is not None and per_element(entry, value):
                 _, offset_in_shard, numel = slices.get(entry.orig_index, (0, 0, 0))
-                flat[offset_in_shard : offset_in_shard + numel] = value.detach().reshape(-1).to(unit._device)
+                flat[offset_in_shard : offset_in_shard + numel] = value.detach().reshape(-1).to(unit._unit_state.device)
         if flat is not None and not handle.is_replicated:
             gathered = flat.new_empty(layout.padded_numel)
-            dist.all_gather_into_tensor(gathered, flat, group=unit._process_group)
+            with collective_range("optim_state_dict all_gather", unit._unit_state.name):
+                dist.all_gather_into_tensor(gathered, flat, group=unit._unit_state.process_group)
             flat = gathered
         for index, entry in members:
             i = entry.orig_index
@@ -416,7 +427,7 @@ def _unflatten_orig_state(unit: Any, members: list[tuple[int, _OptimEntry]], osd
 def _orig_piece_state(entry: _OptimEntry, saved: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """A parameter's full optimizer state as the state of its piece in this rank's shard."""
     unit = entry.unit
-    shape = tuple(unit._handle.layout.shapes[entry.orig_index])
+    shape = tuple(unit._unit_state.handle.layout.shapes[entry.orig_index])
     offset_in_param, _, numel = _orig_slices(unit).get(entry.orig_index, (0, 0, 0))
     out: dict[str, Any] = {}
     for key, value in saved.items():
@@ -445,14 +456,14 @@ def _orig_piece_state(entry: _OptimEntry, saved: dict[str, Any], device: torch.d
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                              group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     units = fsdp_modules(model)
-    saved = [u._state_dict_type for u in units]
+    saved = [u._unit_state.state_dict_type for u in units]
     for u in units:
-        u._state_dict_type = StateDictType.SHARDED_STATE_DICT
+        u._unit_state.state_dict_type = StateDictType.SHARDED_STATE_DICT
     try:
         return optim_state_dict(model, optim, None, group, rank0_only=False)
     finally:
         for u, t in zip(units, saved):
-            u._state_dict_type = t
+            u._unit_state.state_dict_type = t
 
 
 def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
@@ -513,9 +524,9 @@ def unwrapped_parameter_names(model: nn.Module) -> list[str]:
     parameter once, under its first name."""
     slots: dict[int, list[tuple[str, tuple[int, int]]]] = {}  # id(module) -> [(attribute, (unit, index))]
     for unit in fsdp_modules(model):
-        if unit._handle is None or unit._use_orig_params:
+        if unit._unit_state.handle is None or unit._unit_state.use_orig_params:
             continue
-        for m, attr, index in unit._param_slots:
+        for m, attr, index in unit._unit_state.param_slots:
             slots.setdefault(id(m), []).append((attr, (id(unit), index)))
     names: list[str] = []
     seen: set = set()

@@ -22,24 +22,30 @@ As torch's FSDP1 with ``use_orig_params=True``:
   None (``zero_grad``) clear the flat gradient, replaced gradients are copied
   into it.
 - Frozen and trainable parameters may share a unit: the frozen ones' views
-  are not differentiable and they get no ``.grad``. (Their span of the flat
-  gradient is zeros and is reduced with the rest, as torch does.)
+  are not differentiable and they get no ``.grad``. The trainable ones come
+  first in the flat order, and a sharded unit reduces only that prefix of its
+  gradient (torch's FSDP1 reduces the frozen span's zeros too): see
+  [Note: Trainable prefix] in csrc/flatshard/flat_param.h. A unit of shard
+  factor 1, or one with a communication hook, reduces the whole gradient.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from flatshard import _C
 
+if TYPE_CHECKING:
+    from flatshard._state import UnitState
 
-def sharded_views(unit: Any) -> list[torch.Tensor]:
+
+def sharded_views(s: UnitState) -> list[torch.Tensor]:
     """Each original parameter's data between iterations (see the note)."""
-    handle = unit._handle
-    flat = unit._flat_param.detach()
+    handle = s.handle
+    flat = s.flat_param.detach()
     layout = handle.layout
     if handle.is_replicated:
         return _C.views_of(flat, layout)
@@ -49,22 +55,22 @@ def sharded_views(unit: Any) -> list[torch.Tensor]:
     return views
 
 
-def init(unit: Any, params: list[nn.Parameter]) -> None:
+def init(s: UnitState, params: list[nn.Parameter]) -> None:
     """At wrap time: the original parameters become views of the local shard."""
-    unit._orig_params = params
-    unit._orig_grad_seen = [False] * len(params)
-    use_sharded_views(unit)
+    s.orig_params = params
+    s.orig_grad_seen = [False] * len(params)
+    use_sharded_views(s)
 
 
-def use_sharded_views(unit: Any) -> None:
+def use_sharded_views(s: UnitState) -> None:
     with torch.no_grad():
-        for p, view in zip(unit._orig_params, sharded_views(unit)):
+        for p, view in zip(s.orig_params, sharded_views(s)):
             p.data = view
 
 
-def _grad_slots(unit: Any) -> list[tuple[int, int, int]]:
+def _grad_slots(s: UnitState) -> list[tuple[int, int, int]]:
     """(param index, start, numel) of each parameter's piece in the flat shard (and its gradient)."""
-    handle = unit._handle
+    handle = s.handle
     layout = handle.layout
     if handle.is_replicated:
         return [(i, layout.offsets[i], layout.numels[i]) for i in range(layout.num_params)]
@@ -72,70 +78,70 @@ def _grad_slots(unit: Any) -> list[tuple[int, int, int]]:
             for index, _offset_in_param, offset_in_shard, numel in layout.shard_slices(handle.rank)]
 
 
-def use_grad_views(unit: Any) -> None:
+def use_grad_views(s: UnitState) -> None:
     """After backward: each parameter's ``.grad`` is its view of the gradient shard."""
-    flat_grad = unit._flat_param.grad
-    params = unit._orig_params
+    flat_grad = s.flat_param.grad
+    params = s.orig_params
     for p in params:
         p.grad = None
     if flat_grad is None:
         return
-    layout = unit._handle.layout
-    replicated = unit._handle.is_replicated
-    for index, start, numel in _grad_slots(unit):  # (a parameter with no element here keeps None, as torch)
+    layout = s.handle.layout
+    replicated = s.handle.is_replicated
+    for index, start, numel in _grad_slots(s):  # (a parameter with no element here keeps None, as torch)
         p = params[index]
-        if not p.requires_grad or not unit._orig_grad_seen[index]:
+        if not p.requires_grad or not s.orig_grad_seen[index]:
             continue
         view = flat_grad[start : start + numel]
         p.grad = view.view(layout.shapes[index]) if replicated else view
 
 
-def note_grads(unit: Any, grads: tuple[torch.Tensor | None, ...]) -> None:
+def note_grads(s: UnitState, grads: tuple[torch.Tensor | None, ...]) -> None:
     """In post-backward: which parameters got a gradient (the others keep ``.grad = None``)."""
-    seen = unit._orig_grad_seen
+    seen = s.orig_grad_seen
     for i, g in enumerate(grads):
         if g is not None:
             seen[i] = True
 
 
 @torch.no_grad()
-def writeback(unit: Any) -> None:
+def writeback(s: UnitState) -> None:
     """What the user changed between iterations, into the flat shard and its gradient (see the note)."""
-    flat = unit._flat_param
-    views = sharded_views(unit)
-    for p, view in zip(unit._orig_params, views):
+    flat = s.flat_param
+    views = sharded_views(s)
+    for p, view in zip(s.orig_params, views):
         if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape:
             if p.data.numel() != view.numel():
                 raise RuntimeError(
-                    f"FullyShardedDataParallel: parameter '{_name_of(unit, p)}' was given data of "
+                    f"FullyShardedDataParallel: parameter '{_name_of(s, p)}' was given data of "
                     f"{p.data.numel()} elements between iterations but holds {view.numel()} on this rank; "
                     f"with use_orig_params=True change a parameter's values in place (or inside "
                     f"FSDP.summon_full_params), not its size."
                 )
             view.copy_(p.data.reshape(view.shape))
             p.data = view
-    grads = [p.grad for p in unit._orig_params]
+    grads = [p.grad for p in s.orig_params]
     if all(g is None for g in grads):
         if flat.grad is not None:  # zero_grad(set_to_none=True)
             flat.grad = None
-            unit._orig_grad_seen = [False] * len(grads)
+            s.orig_grad_seen = [False] * len(grads)
         return
     flat_grad = flat.grad
     if flat_grad is None:
         flat_grad = torch.zeros_like(flat)
-    for index, start, numel in _grad_slots(unit):
+    for index, start, numel in _grad_slots(s):
         g = grads[index]
         target = flat_grad[start : start + numel]
         if g is None:
             target.zero_()
-            unit._orig_grad_seen[index] = False
+            s.orig_grad_seen[index] = False
         elif g.data_ptr() != target.data_ptr():
             target.copy_(g.reshape(-1))
     flat.grad = flat_grad
 
 
-def _name_of(unit: Any, p: nn.Parameter) -> str:
-    for name, q in zip(unit._param_names, unit._orig_params):
+def _name_of(s: UnitState, p: nn.Parameter) -> str:
+    for name, q in zip(s.param_names, s.orig_params):
         if q is p:
             return name
     return "?"

@@ -7,8 +7,9 @@ Collectives pair up by order: if one rank runs a no-grad evaluation forward, ent
 not, its collectives meet theirs mismatched. Then NCCL and gloo hang until the group's
 timeout, or gloo kills the process (SIGABRT) on a size mismatch, or, worse, the sizes
 happen to agree and training goes on wrong. So before each phase that issues collectives
-(every call of the root's forward, the first backward hook of an iteration outside
-``no_sync()``, and ``state_dict()``, ``load_state_dict()``, ``summon_full_params()``,
+(every call of the root's forward that will all-gather something: a forward of NO_SHARD units
+only, or one inside ``no_sync()`` after the first, gathers nothing and is neither checked nor
+counted; the first backward hook of an iteration outside ``no_sync()``; and ``state_dict()``, ``load_state_dict()``, ``summon_full_params()``,
 ``clip_grad_norm_()`` and the optimizer-state-dict functions), every rank exchanges a
 fingerprint of what it is about to do: a fixed-size int64 vector (the phase, how many
 forwards the root ran, grad enabled, inside ``no_sync()``, and a hash of the model as
@@ -43,10 +44,15 @@ import hashlib
 import os
 import pickle
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from flatshard._profiling import collective_range
+
+if TYPE_CHECKING:
+    from flatshard._state import RootState, UnitState
 
 __all__ = ["RankDivergenceError"]
 
@@ -75,6 +81,11 @@ def _guard_group(ranks: list[int], timeout: timedelta) -> Any:
 
 def _all_gather_objects(group: Any, obj: Any) -> list[Any]:
     """Every member's picklable ``obj``, in group rank order, through ``group``'s own all-gather."""
+    with collective_range("rank_guard all_gather (descriptions)"):
+        return _all_gather_objects_unranged(group, obj)
+
+
+def _all_gather_objects_unranged(group: Any, obj: Any) -> list[Any]:
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = group.size()
     lengths = torch.zeros(size, dtype=torch.int64)
@@ -117,16 +128,18 @@ def group_timeout(group: Any) -> timedelta:
 class RankGuard:
     """One root's guard: its gloo group and what it counted."""
 
-    def __init__(self, root: Any) -> None:
-        ranks = set(dist.get_process_group_ranks(root._process_group))
-        if root._replicate_group is not None:  # every shard group of the replicas: the whole (replicate, shard) mesh
-            theirs: list[Any] = [None] * dist.get_world_size(root._replicate_group)
-            dist.all_gather_object(theirs, sorted(ranks), group=root._replicate_group)
+    def __init__(self, root: RootState) -> None:
+        top = root.unit._unit_state
+        ranks = set(dist.get_process_group_ranks(top.process_group))
+        if top.replicate_group is not None:  # every shard group of the replicas: the whole (replicate, shard) mesh
+            theirs: list[Any] = [None] * dist.get_world_size(top.replicate_group)
+            with collective_range("rank_guard all_gather_object (ranks)"):
+                dist.all_gather_object(theirs, sorted(ranks), group=top.replicate_group)
             ranks = {r for group in theirs for r in group}
         self.ranks = sorted(ranks)
         self.group = None
         if len(self.ranks) > 1:
-            self.group = _guard_group(self.ranks, group_timeout(root._process_group))
+            self.group = _guard_group(self.ranks, group_timeout(top.process_group))
         self.forwards = 0
         self._model: tuple[list[int], list[Any]] | None = None
         with torch.inference_mode(False):  # (a first forward under inference_mode must not make these inference tensors)
@@ -138,18 +151,19 @@ class RankGuard:
         self._model = None
 
     @torch.compiler.disable  # (a compiled forward calls it as it is: a graph break, as at every collective)
-    def check(self, root: Any, phase: str) -> None:
+    def check(self, root: RootState, phase: str) -> None:
         """Collective over the root's ranks: raises RankDivergenceError on every rank if any differs."""
         if self.group is None:
             return
         grad = torch.is_grad_enabled() if phase in ("forward", "backward") else False
-        no_sync = not root._sync_gradients
+        no_sync = not root.unit._unit_state.sync_gradients
         words, description = self._model_fingerprint(root)
         with torch.inference_mode(False):
             self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
         doing = self._doing(phase, grad)
         try:
-            self.group._allgather_base(self._all, self._mine).wait()
+            with collective_range(f"rank_guard all_gather ({phase})"):
+                self.group._allgather_base(self._all, self._mine).wait()
         except RuntimeError as e:
             raise RankDivergenceError(
                 f"flatshard: rank {dist.get_rank()} waited for its peers before {doing} (the "
@@ -173,28 +187,28 @@ class RankGuard:
             return f"the backward of forward {self.forwards}"
         return f"{phase} after {self.forwards} forwards"
 
-    def _model_fingerprint(self, root: Any) -> tuple[list[int], list[Any]]:
+    def _model_fingerprint(self, root: RootState) -> tuple[list[int], list[Any]]:
         if self._model is None:
-            description = [_describe_unit(u) for u in root._units]
+            description = [_describe_unit(u._unit_state) for u in root.units]
             digest = hashlib.blake2b(repr(description).encode(), digest_size=16).digest()
             words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
             self._model = (words, description)
         return self._model
 
 
-def _describe_unit(unit: Any) -> dict[str, Any]:
-    handle = unit._handle
-    mp = unit._mixed_precision
+def _describe_unit(s: UnitState) -> dict[str, Any]:
+    handle = s.handle
+    mp = s.mixed_precision
     out: dict[str, Any] = {
-        "unit": unit._unit_name or "<root>",
-        "strategy": unit._sharding_strategy.name,
+        "unit": s.label,
+        "strategy": s.sharding_strategy.name,
         "mixed_precision": None if mp is None else (str(mp.param_dtype), str(mp.reduce_dtype), str(mp.buffer_dtype)),
-        "cpu_offload": bool(unit._offload_params),
-        "use_orig_params": bool(unit._use_orig_params),
+        "cpu_offload": bool(s.offload_params),
+        "use_orig_params": bool(s.use_orig_params),
     }
     if handle is not None:
-        out.update(parameters=list(unit._param_local_names), shapes=[list(s) for s in handle.layout.shapes],
-                   dtype=str(unit._flat_param.dtype), shard_factor=handle.layout.shard_factor)
+        out.update(parameters=list(s.param_local_names), shapes=[list(shape) for shape in handle.layout.shapes],
+                   dtype=str(s.flat_param.dtype), shard_factor=handle.layout.shard_factor)
     return out
 
 
@@ -259,18 +273,11 @@ def _short(value: Any) -> str:
 
 
 @torch.compiler.disable  # (lazy init may run inside a compiled forward: process groups are not traceable)
-def create(root: Any) -> RankGuard:
+def create(root: RootState) -> RankGuard:
     return RankGuard(root)
 
 
-def guard_of(unit: Any) -> RankGuard | None:
-    """The guard of ``unit``'s root (None when off or before lazy init)."""
-    root = unit.__dict__.get("_root")
-    return None if root is None else root.__dict__.get("_rank_guard")
-
-
-def check(unit: Any, phase: str) -> None:
-    """Runs the root's guard for ``phase``, if the guard is on. Collective."""
-    guard = guard_of(unit)
-    if guard is not None:
-        guard.check(unit._root, phase)
+def check(root: RootState | None, phase: str) -> None:
+    """Runs the root's guard for ``phase``, if the guard is on (and lazy init made the root). Collective."""
+    if root is not None and root.guard is not None:
+        root.guard.check(root, phase)

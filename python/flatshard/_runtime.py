@@ -63,36 +63,79 @@ in backward instead.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
-import time
 import weakref
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from flatshard._common import SHARDED, in_backward, logger, tensors_in, to_device
-from flatshard import _comm_hooks, _orig_params
+from flatshard import _C, _comm_hooks, _exit, _mixed_precision, _orig_params, _rank_guard
+from flatshard._common import clean_name, in_backward, is_unit, logger, tensors_in, to_device
+from flatshard._construction import all_gather_limit, unit_modules
 from flatshard._mixed_precision import cast_floating
+from flatshard._state import RootState, TrainingState, UnitState
 from flatshard.api import BackwardPrefetch
 
+if TYPE_CHECKING:
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
-def init_runtime_state(unit: Any) -> None:
-    """The lifecycle's state on a new unit; the root's per-iteration fields are used on the root only."""
-    # Live uses of this unit's parameters (see Use and [Note: Pending uses]).
-    unit._uses = weakref.WeakSet()
-    # Whether the modules hold the storage-less placeholders (see reshard).
-    unit._placeholders_set = True
-    unit._sync_gradients = True
-    # Root only, per iteration (see [Note: Unit lifecycle]).
-    unit._final_callback_queued = False
-    unit._backward_task = -1  # the graph task of the backward under way
-    unit._in_iteration = False
-    unit._pre_forward_order = []
-    unit._prev_pre_forward_order = []
-    unit._post_forward_order = []
+IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
+PRE_BACKWARD, POST_BACKWARD, SUMMONING = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD, TrainingState.SUMMONING
+
+
+# ----------------------------------------------------------------- lazy init
+
+
+def lazy_init(root: FullyShardedDataParallel) -> None:
+    """Makes ``root`` the root of every unit below it: one RootState, one scheduler (see [Note: Unit state])."""
+    units = []
+    for name, m in root.named_modules():
+        if is_unit(m):
+            if m._unit_state.is_root is not None:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: unit '{clean_name(name)}' ran forward on its own "
+                    f"before its root; call the outermost FSDP module's forward."
+                )
+            units.append((clean_name(name), m))
+    top = root._unit_state
+    for name, unit in units:
+        s = unit._unit_state
+        for attr, what in (("device", "device_id"), ("limit_all_gathers", "limit_all_gathers")):
+            if getattr(s, attr) != getattr(top, attr):
+                raise ValueError(
+                    f"FullyShardedDataParallel: unit '{name}' has {what}={getattr(s, attr)} but its root "
+                    f"has {getattr(top, attr)}; the units of one root share one runtime. Wrap them "
+                    f"with the same {what}."
+                )
+    scheduler = _C.Scheduler(top.process_group, top.replicate_group, top.device,
+                             all_gather_limit(top.limit_all_gathers))
+    # Units over other groups (e.g. experts over an expert group): one pair each; see
+    # [Note: Groups per unit] in csrc/flatshard/scheduler.h.
+    pairs = {(id(top.process_group), id(top.replicate_group)): 0}
+    for name, unit in units:
+        s = unit._unit_state
+        key = (id(s.process_group), id(s.replicate_group))
+        if key not in pairs:
+            pairs[key] = scheduler.add_groups(s.process_group, s.replicate_group)
+        if s.handle is not None:
+            s.handle.group_index = pairs[key]
+    root_state = RootState(root, scheduler, [u for _, u in units])
+    for name, unit in units:
+        s = unit._unit_state
+        s.root = root_state
+        s.is_root = unit is root
+        s.name = name
+        if s.handle is not None:
+            s.handle.name = name
+        s.forward_input_dtype = _mixed_precision.forward_input_dtype(s.mixed_precision, s.is_root)
+        _mixed_precision.cast_buffers(s, list(unit_modules(s.module, s.ignored_modules)))
+    _exit.register_for_exit(root_state)  # see [Note: Exit] in _exit.py
+    guard_mode = _rank_guard.mode()
+    if guard_mode != "off":  # see [Note: Rank-divergence guard]
+        root_state.guard = _rank_guard.create(root_state)
+        scheduler.set_sequence_check(guard_mode == "strict")
 
 
 class Use:
@@ -106,13 +149,13 @@ class Use:
 
     __slots__ = ("node", "order", "index", "done", "speculative", "__weakref__")
 
-    def __init__(self, unit: Any, speculative: bool = False) -> None:
+    def __init__(self, state: UnitState, speculative: bool = False) -> None:
         self.node: Callable[[], Any] | None = None
         self.order: list = []
         self.index = -1
         self.done = False
         self.speculative = speculative
-        unit._uses.add(self)
+        state.uses.add(self)
 
     def finish(self) -> None:
         """Its post-backward ran, or the backward it belonged to is over. Safe to call twice."""
@@ -129,223 +172,228 @@ class _UnshardedViews(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, unit: Any, use: Use, flat_param: nn.Parameter):
-        ctx.unit = unit
+    def forward(ctx, state: UnitState, use: Use, flat_param: nn.Parameter, views: list[torch.Tensor]):
+        # ``views``: made by the scheduler's wait_for_unshard (a list, so not an input of this node).
+        ctx.state = state
         ctx.use = use
         use.node = weakref.ref(ctx)  # ctx is the node: it dies with the graph
-        views = tuple(unit._handle.views())
-        frozen = unit.__dict__.get("_frozen_indices")
-        if frozen:  # use_orig_params: frozen parameters in a trainable unit get no gradient
-            ctx.mark_non_differentiable(*(views[i] for i in frozen))
+        views = tuple(views)
+        if state.frozen_indices:  # use_orig_params: frozen parameters in a trainable unit get no gradient
+            ctx.mark_non_differentiable(*(views[i] for i in state.frozen_indices))
         return views
 
     @staticmethod
     def backward(ctx, *grads):
-        post_backward(ctx.unit, ctx.use, grads)
-        return None, None, None
+        post_backward(ctx.state, ctx.use, grads)
+        return None, None, None, None
 
 
-def set_views(unit: Any, views, placeholders: bool = False) -> None:
+def set_views(state: UnitState, views, placeholders: bool = False) -> None:
     """Puts ``views`` (one per original parameter) on the modules as their parameter attributes;
     with ``use_orig_params`` the placeholders are the registered parameters themselves (see
     [Note: Original parameters] in _orig_params.py): the views that shadowed them go."""
-    if placeholders and unit._use_orig_params:
-        for m, attr, _ in unit._param_slots:
+    state.placeholders_set = placeholders
+    if placeholders and state.use_orig_params:
+        for m, attr, _ in state.param_slots:
             m.__dict__.pop(attr, None)
-        unit.__dict__["_placeholders_set"] = True
         return
-    for m, attr, index in unit._param_slots:
-        m.__dict__[attr] = views[index]
     # Straight into __dict__: nn.Module.__setattr__ costs microseconds, three times a unit a step.
-    unit.__dict__["_placeholders_set"] = placeholders
+    for m, attr, index in state.param_slots:
+        m.__dict__[attr] = views[index]
 
 
-def reshard(unit: Any) -> None:
+def reshard(state: UnitState) -> None:
     """Frees the unsharded buffer; the modules get storage-less placeholders back
     (which also lets go of the last forward's views and their graph)."""
-    unit._scheduler.reshard(unit._handle)
-    set_views(unit, unit._handle.placeholder_views, placeholders=True)
+    state.root.scheduler.reshard(state.handle)
+    set_views(state, state.placeholders, placeholders=True)
 
 
 # ------------------------------------------------------------------- forward
 
 
-def forward(unit: Any, args: tuple, kwargs: dict) -> Any:
+def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
     """One call of a unit (see [Note: Unit lifecycle])."""
-    if unit._is_root is None:
-        unit._lazy_init()
-    if unit._in_summon:
+    s = unit._unit_state
+    if s.is_root is None:
+        lazy_init(unit)
+    if s.training_state is SUMMONING:
         # Inside summon_full_params (e.g. generate() in an evaluation or RL loop): the module
         # holds its full parameters, in full precision; run it as it is.
-        if unit._is_root and unit._device.type != "cpu":
-            args, kwargs = to_device((args, kwargs), unit._device)
-        return unit._fsdp_wrapped_module(*args, **kwargs)
+        if s.is_root and s.device.type != "cpu":
+            args, kwargs = to_device((args, kwargs), s.device)
+        return s.module(*args, **kwargs)
     if in_backward():
-        return recompute(unit, args, kwargs)
-    root = unit._root
-    if unit._is_root:
-        guard = root.__dict__.get("_rank_guard")
-        if guard is not None:  # see [Note: Rank-divergence guard]
-            _guard_forward(root, guard)
-        if root._final_callback_queued:
+        return recompute(s, args, kwargs)
+    root = s.root
+    if s.is_root:
+        if root.guard is not None:  # see [Note: Rank-divergence guard]
+            _guard_forward(root)
+        if root.final_callback_queued:
             abort_backward(root)
-        if not root._in_iteration:
-            root._in_iteration = True
-            root._prev_pre_forward_order = root._pre_forward_order
-            root._pre_forward_order = []
-            root._post_forward_order = []
-            for u in root._orig_param_units:  # what the user changed since the last iteration
-                _orig_params.writeback(u)
-        if unit._device.type != "cpu":
-            args, kwargs = to_device((args, kwargs), unit._device)
-    if unit._forward_input_dtype is not None:  # see flatshard/_mixed_precision.py
-        args, kwargs = cast_floating(unit._forward_input_dtype, (args, kwargs))
-    handle = unit._handle
+        if not root.in_iteration:
+            root.in_iteration = True
+            root.prev_pre_forward_order = root.pre_forward_order
+            root.pre_forward_order = []
+            root.post_forward_order = []
+            for u in root.orig_param_units:  # what the user changed since the last iteration
+                _orig_params.writeback(u._unit_state)
+        if s.device.type != "cpu":
+            args, kwargs = to_device((args, kwargs), s.device)
+    if s.forward_input_dtype is not None:  # see flatshard/_mixed_precision.py
+        args, kwargs = cast_floating(s.forward_input_dtype, (args, kwargs))
+    s.training_state = FORWARD
+    handle = s.handle
     grad_enabled = torch.is_grad_enabled()
-    scheduler = unit._scheduler
-    position = len(root._pre_forward_order)
-    root._pre_forward_order.append(unit)
+    scheduler = root.scheduler
+    position = len(root.pre_forward_order)
+    root.pre_forward_order.append(s)
     use = None
     if handle is not None:
         # Waiting first lets the backend drop its temporaries for this
         # all-gather before the next one is issued (on devices with
         # events the wait only orders streams: no overlap is lost).
-        scheduler.wait_for_unshard(handle)
-        if unit._forward_prefetch:
-            prefetch(scheduler, root._prev_pre_forward_order, position + 1, backward=False)
-        flat = unit._flat_param
+        # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
+        ahead = _handle_at(root.prev_pre_forward_order, position + 1) if s.forward_prefetch else None
+        views = scheduler.wait_for_unshard(handle, ahead, views=True)
+        flat = s.flat_param
         if grad_enabled and flat.requires_grad:
-            use = Use(unit)
-            set_views(unit, _UnshardedViews.apply(unit, use, flat))
+            use = Use(s)
+            set_views(s, _UnshardedViews.apply(s, use, flat, views))
         else:
-            set_views(unit, handle.views())
+            set_views(s, views)
 
-    if unit._is_root:
-        unit.__dict__["_in_forward_call"] = True  # (see summon_full_params)
+    if s.is_root:
+        root.in_forward_call = True  # (see summon_full_params)
         try:
-            output = unit._fsdp_wrapped_module(*args, **kwargs)
+            output = s.module(*args, **kwargs)
         finally:
-            unit.__dict__["_in_forward_call"] = False
+            root.in_forward_call = False
+            s.training_state = IDLE
     else:
-        output = unit._fsdp_wrapped_module(*args, **kwargs)
+        try:
+            output = s.module(*args, **kwargs)
+        finally:
+            s.training_state = IDLE
 
-    if handle is not None and grad_enabled and not unit._flat_param.requires_grad:
+    if handle is not None and grad_enabled and not s.flat_param.requires_grad:
         # A frozen unit has no post-backward: its backward is over once
         # its inputs' gradients are computed.
         inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         if inputs:
             torch.autograd.graph.register_multi_grad_hook(
-                inputs, functools.partial(frozen_post_backward, unit), mode="all"
+                inputs, functools.partial(frozen_post_backward, s), mode="all"
             )
     if handle is not None and (
         not grad_enabled
         or (
-            unit._reshard_after_forward
-            and not unit._is_root
-            and unit._sync_gradients
-            and not handle.is_replicated  # nothing to free: keep the views for backward
+            s.reshard_after_forward
+            and not s.is_root
+            and s.sync_gradients
+            and not s.replicated  # nothing to free: keep the views for backward
         )
     ):
-        reshard(unit)
+        reshard(s)
     if not grad_enabled:
-        if unit._is_root:
+        if s.is_root:
             # No backward follows: end the iteration with nothing unsharded
             # (forward-prefetched units included).
-            root._in_iteration = False
-            for u in root._units:
-                if u._handle is not None and u._sync_gradients:
-                    reshard(u)
+            root.in_iteration = False
+            for u in root.units:
+                us = u._unit_state
+                if us.handle is not None and us.sync_gradients:
+                    reshard(us)
         return output
-    order = root._post_forward_order
+    order = root.post_forward_order
     index = len(order)
-    order.append(unit)
+    order.append(s)
     if use is not None:
         use.order, use.index = order, index
     # The hook keeps the order and the index, not the use: only the views'
     # node may keep a use alive (a node that cannot run is no pending use).
-    hook = functools.partial(pre_backward, unit, order, index)
+    _hook_outputs(output, functools.partial(pre_backward, s, order, index))
+    return output
+
+
+def _hook_outputs(output: Any, hook: Callable) -> None:
+    """``hook`` runs at the first gradient w.r.t. any tensor of ``output``: the use's pre-backward."""
     tensors = [t for t in tensors_in(output) if t.requires_grad]
     if len(tensors) == 1:  # the common case, and much cheaper than a multi-grad hook
         tensors[0].register_hook(hook)
     elif tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
-    return output
 
 
 @torch.compiler.disable  # (a compiled forward calls it as it is: the C++ handles are not traceable)
-def _guard_forward(root: Any, guard: Any) -> None:
+def _guard_forward(root: RootState) -> None:
     """The guard's check before a forward that will all-gather something (it checks, and counts, only
     those: NO_SHARD forwards and those inside no_sync() after the first issue no collective, and
     ranks may run different numbers of them)."""
-    if any(u._handle is not None and not u._handle.is_replicated and u._handle.state == SHARDED
-           for u in root._units):
-        guard.check(root, "forward")
-        guard.counted_forward()
+    if root.scheduler.count_sharded(root.sharded_handles):
+        root.guard.check(root, "forward")
+        root.guard.counted_forward()
 
 
-def recompute(unit: Any, args: tuple, kwargs: dict) -> Any:
-    """forward() during backward: activation checkpointing reruns this unit (see [Note: Recomputation])."""
-    root = unit._root
+def recompute(s: UnitState, args: tuple, kwargs: dict) -> Any:
+    """forward() during backward: activation checkpointing reruns this unit (see [Note: Recomputation]).
+    The unit is in backward, before its gradients: PRE_BACKWARD."""
+    root = s.root
+    s.training_state = PRE_BACKWARD
     # Checkpointing around the root: its first forward ran without grad (and ended the
     # iteration), so no pre-backward queued the end of this backward.
     queue_end_of_backward(root)
-    if unit._is_root and unit._device.type != "cpu":  # as in its first forward
-        args, kwargs = to_device((args, kwargs), unit._device)
-    if unit._forward_input_dtype is not None:
-        args, kwargs = cast_floating(unit._forward_input_dtype, (args, kwargs))
-    handle = unit._handle
+    if s.is_root and s.device.type != "cpu":  # as in its first forward
+        args, kwargs = to_device((args, kwargs), s.device)
+    if s.forward_input_dtype is not None:
+        args, kwargs = cast_floating(s.forward_input_dtype, (args, kwargs))
+    handle = s.handle
     if handle is not None:
-        unit._scheduler.wait_for_unshard(handle)
-        hand_out_views(unit)
-    if unit._is_root:  # the whole model reruns at once
-        root.__dict__["_recompute_order"] = []
-        root.__dict__["_recomputing"] = True
+        hand_out_views(s, root.scheduler.wait_for_unshard(handle, None, views=True))
+    if s.is_root:  # the whole model reruns at once
+        root.recompute_order = []
+        root.recomputing = True
         try:
-            return unit._fsdp_wrapped_module(*args, **kwargs)
+            return s.module(*args, **kwargs)
         finally:
-            root.__dict__["_recomputing"] = False
-    output = unit._fsdp_wrapped_module(*args, **kwargs)
+            root.recomputing = False
+    output = s.module(*args, **kwargs)
     if (
-        root.__dict__.get("_recomputing")
+        root.recomputing
         and handle is not None
-        and unit._reshard_after_forward
-        and unit._sync_gradients
-        and not handle.is_replicated
+        and s.reshard_after_forward
+        and s.sync_gradients
+        and not s.replicated
     ):
         # Rerunning the whole model must not hold every unit unsharded at once: reshard as
         # the first forward did. Before any of this unit's backward runs, its pre-backward
         # gathers it again, through the hook of its first forward (non-reentrant
         # checkpointing backpropagates the first graph) or this one (reentrant: this graph).
-        order = root._recompute_order
+        order = root.recompute_order
         index = len(order)
-        order.append(unit)
-        hook = functools.partial(pre_backward, unit, order, index)
-        tensors = [t for t in tensors_in(output) if t.requires_grad]
-        if len(tensors) == 1:
-            tensors[0].register_hook(hook)
-        elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
-        reshard(unit)
+        order.append(s)
+        _hook_outputs(output, functools.partial(pre_backward, s, order, index))
+        reshard(s)
     return output
 
 
-def hand_out_views(unit: Any) -> None:
-    """Fresh autograd views of the unsharded buffer, through a speculative use (see [Note: Recomputation])."""
-    if not unit._flat_param.requires_grad:
-        set_views(unit, unit._handle.views())
+def hand_out_views(s: UnitState, views: list[torch.Tensor]) -> None:
+    """Fresh ``views`` of the unsharded buffer, as autograd views through a speculative use (see
+    [Note: Recomputation])."""
+    if not s.flat_param.requires_grad:
+        set_views(s, views)
         return
-    use = Use(unit, speculative=True)
+    use = Use(s, speculative=True)
     with torch.enable_grad():
-        set_views(unit, _UnshardedViews.apply(unit, use, unit._flat_param))
+        set_views(s, _UnshardedViews.apply(s, use, s.flat_param, views))
 
 
-def has_pending_uses(unit: Any) -> bool:
+def has_pending_uses(s: UnitState) -> bool:
     """Whether a use of this unit still runs its post-backward in this backward (see [Note: Pending uses])."""
     task = torch._C._current_graph_task_id()
     if task == -1:
         return False
-    nested = task != unit._root._backward_task
-    for use in list(unit._uses):
+    nested = task != s.root.backward_task
+    for use in list(s.uses):
         if use.done or use.speculative or use.node is None:
             continue
         node = use.node()
@@ -354,170 +402,142 @@ def has_pending_uses(unit: Any) -> bool:
     return False
 
 
-def prefetch(scheduler: Any, order: list, index: int, backward: bool) -> None:
-    """Issues the all-gather of ``order[index]`` without waiting, if it exists, is sharded
-    and (in backward) still has a use whose backward has not run."""
-    if 0 <= index < len(order):
-        unit = order[index]
-        handle = unit._handle
-        if handle is not None and handle.state == SHARDED and (not backward or has_pending_uses(unit)):
-            scheduler.unshard(handle)
+def _handle_at(order: list[UnitState], index: int) -> _C.FlatParam | None:
+    """The handle of ``order[index]``, if it exists, to prefetch (the scheduler issues its all-gather only
+    if it is sharded)."""
+    return order[index].handle if 0 <= index < len(order) else None
+
+
+def _backward_prefetch_target(order: list[UnitState], index: int) -> _C.FlatParam | None:
+    """The handle of ``order[index]`` if a use of it is still to run its backward (see [Note: Pending uses])."""
+    if not 0 <= index < len(order):
+        return None
+    s = order[index]
+    return s.handle if s.handle is not None and has_pending_uses(s) else None
 
 
 # ------------------------------------------------------------------ backward
 
 
-def queue_end_of_backward(root: Any) -> None:
+def queue_end_of_backward(root: RootState) -> None:
     """Makes finish_backward run when the backward under way ends. Safe to call twice."""
-    if not root._final_callback_queued:
-        guard = root.__dict__.get("_rank_guard")
-        if guard is not None and root._sync_gradients:  # see [Note: Rank-divergence guard]
-            guard.check(root, "backward")
-        root._final_callback_queued = True
-        root._backward_task = torch._C._current_graph_task_id()
+    if not root.final_callback_queued:
+        if root.guard is not None and root.unit._unit_state.sync_gradients:  # see [Note: Rank-divergence guard]
+            root.guard.check(root, "backward")
+        root.final_callback_queued = True
+        root.backward_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))
 
 
-def pre_backward(unit: Any, order: list, index: int, _grad: Any = None) -> None:
-    queue_end_of_backward(unit._root)
-    if unit._handle is not None:
-        unit._scheduler.wait_for_unshard(unit._handle)  # see forward() on the order
-        if unit._placeholders_set:  # resharded after forward: recomputation needs real views
-            hand_out_views(unit)
-        if unit._backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
-            prefetch(unit._scheduler, order, index - 1, backward=True)
+def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> None:
+    assert s.training_state is not SUMMONING and s.training_state is not FORWARD, (
+        f"flatshard: pre-backward of unit '{s.label}' in state {s.training_state}")
+    queue_end_of_backward(s.root)
+    if s.handle is not None:
+        s.training_state = PRE_BACKWARD
+        ahead = (_backward_prefetch_target(order, index - 1)
+                 if s.backward_prefetch == BackwardPrefetch.BACKWARD_PRE else None)
+        # Resharded after forward: recomputation needs real views. One crossing (see forward()).
+        views = s.root.scheduler.wait_for_unshard(s.handle, ahead, views=s.placeholders_set)
+        if views is not None:
+            hand_out_views(s, views)
 
 
-def post_backward(unit: Any, use: Use, grads: tuple[torch.Tensor | None, ...]) -> None:
+def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]) -> None:
+    assert s.training_state is PRE_BACKWARD or s.training_state is POST_BACKWARD, (
+        f"flatshard: post-backward of unit '{s.label}' in state {s.training_state}")
+    s.training_state = POST_BACKWARD
     use.finish()
-    if unit._use_orig_params:
-        _orig_params.note_grads(unit, grads)
-    # Reduce once no other use still needs the parameters, unless in no_sync().
-    reduce = unit._sync_gradients and not has_pending_uses(unit)
-    hooked = reduce and unit._comm_hook is not None
-    unit._scheduler.post_backward(
-        unit._handle, list(grads), reduce and not hooked, unit._predivide, unit._postdivide,
-        unit._replicate_group is not None,
-    )
-    if not reduce:
+    if s.use_orig_params:
+        _orig_params.note_grads(s, grads)
+    # Reduce (and reshard) once no other use still needs the parameters, unless in no_sync().
+    done = s.sync_gradients and not has_pending_uses(s)
+    hooked = done and s.comm_hook is not None
+    ahead = (_backward_prefetch_target(use.order, use.index - 1)
+             if done and s.backward_prefetch == BackwardPrefetch.BACKWARD_POST else None)
+    # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
+    resharded = s.root.scheduler.post_backward(s.handle, list(grads), done and not hooked, done,
+                                               None if hooked else ahead)
+    if not resharded:
         return
+    set_views(s, s.placeholders, placeholders=True)
     if hooked:  # see [Note: Communication hooks] in _comm_hooks.py
-        unit._scheduler.reshard(unit._handle)
-        _comm_hooks.reduce(unit)
-    if unit._backward_prefetch == BackwardPrefetch.BACKWARD_POST:
-        prefetch(unit._scheduler, use.order, use.index - 1, backward=True)
-    reshard(unit)
+        _comm_hooks.reduce(s)
+        if ahead is not None:
+            s.root.scheduler.unshard(ahead)
 
 
-def frozen_post_backward(unit: Any, _grads: Any) -> None:
-    if unit._sync_gradients:
-        reshard(unit)
+def frozen_post_backward(s: UnitState, _grads: Any) -> None:
+    s.training_state = POST_BACKWARD
+    if s.sync_gradients:
+        reshard(s)
 
 
-def finish_backward(root: Any) -> None:
+def finish_backward(root: RootState) -> None:
     """Root only, end of backward: gradient shards written, nothing unsharded (unless no_sync)."""
-    root._final_callback_queued = False
-    root._in_iteration = False
-    for unit in root._units:  # the same order on every rank
-        handle = unit._handle
-        for use in list(unit._uses):
+    root.final_callback_queued = False
+    root.in_iteration = False
+    for unit in root.units:  # the same order on every rank
+        s = unit._unit_state
+        handle = s.handle
+        for use in list(s.uses):
             use.finish()  # a later backward through a kept graph is a new reduction
-        if handle is not None and unit._sync_gradients and handle.has_unsharded_grad():
+        if handle is not None and s.sync_gradients and handle.has_unsharded_grad():
             # a use whose post-backward never ran
-            if unit._comm_hook is not None:
-                _comm_hooks.reduce(unit)
+            if s.comm_hook is not None:
+                _comm_hooks.reduce(s)
             else:
-                unit._scheduler.reduce_grad(
-                    handle, unit._predivide, unit._postdivide, unit._replicate_group is not None
-                )
-    root._scheduler.finish_grad_sync()
-    for unit in root._units:
-        if unit._handle is not None and unit._sync_gradients:
-            reshard(unit)
-            if unit._use_orig_params:
-                _orig_params.use_grad_views(unit)
+                root.scheduler.reduce_grad(handle)
+    root.scheduler.finish_grad_sync()
+    for unit in root.units:
+        s = unit._unit_state
+        s.training_state = IDLE
+        if s.handle is not None and s.sync_gradients:
+            reshard(s)
+            if s.use_orig_params:
+                _orig_params.use_grad_views(s)
 
 
-def abort_backward(root: Any) -> None:
+def abort_backward(root: RootState) -> None:
     """Root only: the last backward raised before its end. Drops its partial gradients."""
     logger.warning(
         "flatshard: the previous backward did not finish (it raised); every unit's gradient "
         "(.grad and what no_sync() accumulated) is dropped, so that no rank steps on part of a "
         "batch. Only safe when every rank's backward raised at the same point."
     )
-    root._final_callback_queued = False
-    root._in_iteration = False
-    root._scheduler.abort_grad_sync()
-    for unit in root._units:
-        for use in list(unit._uses):
+    root.final_callback_queued = False
+    root.in_iteration = False
+    root.scheduler.abort_grad_sync()
+    for unit in root.units:
+        s = unit._unit_state
+        s.training_state = IDLE
+        for use in list(s.uses):
             use.finish()
-        if unit._handle is not None:
-            unit._handle.drop_unsharded_grad()
-            unit._flat_param.grad = None
-            reshard(unit)
-            if unit._use_orig_params:
-                _orig_params.use_grad_views(unit)
-
-
-# ------------------------------------------------------------------ exit
-
-# [Note: Exit]
-# gloo keeps each collective's work object on its own worker thread until the
-# collective has run, and destroys it there; the object holds the thread-local
-# state of the moment it was issued, which can own Python objects. If a
-# collective is still in flight when the interpreter shuts down (a backward
-# raised on every rank and the script let the exception end it: the
-# prefetched all-gather and the reductions of that backward are still
-# running), the worker releases that Python object during finalization and
-# the process dies by SIGABRT instead of exiting with its traceback and
-# status 1. So at exit (atexit runs before finalization) every live root's
-# in-flight collectives are waited for, for at most EXIT_DRAIN_SECONDS (a
-# collective whose peers will never issue it is abandoned: it will not complete
-# during finalization either), then briefly more, for the workers to drop the
-# objects they finished with. Nothing else changes: no collective is issued.
-
-EXIT_DRAIN_SECONDS = 10.0
-_live_roots: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def register_for_exit(root: Any) -> None:
-    _live_roots.add(root)
-
-
-def _drain_at_exit() -> None:
-    waited = False
-    deadline = time.monotonic() + EXIT_DRAIN_SECONDS  # for all roots together
-    for root in list(_live_roots):
-        scheduler = root.__dict__.get("_scheduler")
-        if scheduler is None:
-            continue
-        try:
-            _, had_any = scheduler.drain(max(0.0, deadline - time.monotonic()))
-            waited = waited or had_any
-        except Exception:  # noqa: BLE001 (exiting: nothing to report it to)
-            pass
-    if waited:
-        time.sleep(0.05)
-
-
-atexit.register(_drain_at_exit)
+        if s.handle is not None:
+            s.handle.drop_unsharded_grad()
+            s.flat_param.grad = None
+            reshard(s)
+            if s.use_orig_params:
+                _orig_params.use_grad_views(s)
 
 
 @contextlib.contextmanager
-def no_sync(root: Any) -> Iterator[None]:
+def no_sync(root: FullyShardedDataParallel) -> Iterator[None]:
     """See ``FullyShardedDataParallel.no_sync`` and [Note: no_sync]."""
-    if root._is_root is None:
-        root._lazy_init()
-    if not root._is_root:
+    top = root._unit_state
+    if top.is_root is None:
+        lazy_init(root)
+    if not top.is_root:
         raise RuntimeError(
-            f"FullyShardedDataParallel.no_sync: expected the root unit but '{root._unit_name}' is "
+            f"FullyShardedDataParallel.no_sync: expected the root unit but '{top.name}' is "
             f"nested; call no_sync() on the outermost FSDP module."
         )
-    previous = [(u, u._sync_gradients) for u in root._units]
-    for unit in root._units:
-        unit._sync_gradients = False
+    states = [u._unit_state for u in top.root.units]
+    previous = [(s, s.sync_gradients) for s in states]
+    for s in states:
+        s.sync_gradients = False
     try:
         yield
     finally:
-        for unit, value in previous:
-            unit._sync_gradients = value
+        for s, value in previous:
+            s.sync_gradients = value

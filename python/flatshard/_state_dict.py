@@ -6,26 +6,26 @@ full parameters (a collective: every rank calls it) and returns them
 under the original module's names, as a plain model's state_dict() would
 (tied parameters under each of their names); FullStateDictConfig's
 offload_to_cpu and rank0_only are honoured. load_state_dict() takes such
-a dict and writes every rank's shards. Nested units called from their
-root's state_dict() (inside summon_full_params) behave as plain modules.
+a dict and writes every rank's shards (see [Note: Loading state dicts] in
+_state_dict_load.py). Nested units called from their root's state_dict()
+(inside summon_full_params) behave as plain modules.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _rank_guard
-from flatshard._common import check_between_iterations, clean_name, fsdp_modules
+from flatshard._common import clean_name, fsdp_modules
 from flatshard._full_params import summon_full_params
 from flatshard._mixed_precision import original_buffer_dtypes
-from flatshard._sharded_state_dict import load_per_unit, prepare_local_load, sharded_or_local_state_dict
+from flatshard._sharded_state_dict import sharded_or_local_state_dict
+from flatshard._state import TrainingState
 from flatshard.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -37,26 +37,30 @@ from flatshard.api import (
     StateDictType,
 )
 
+if TYPE_CHECKING:
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
-def state_dict(unit: Any, args: tuple, destination: Any, prefix: str, keep_vars: bool) -> Any:
+
+def state_dict(unit: FullyShardedDataParallel, args: tuple, destination: Any, prefix: str, keep_vars: bool) -> Any:
     """See ``FullyShardedDataParallel.state_dict``."""
-    if unit._in_summon or unit.__dict__.get("_plain_state_dict"):
+    state = unit._unit_state
+    if state.training_state is TrainingState.SUMMONING or state.plain_state_dict:
         return nn.Module.state_dict(unit, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
     if args:
         raise ValueError(
             "FullyShardedDataParallel.state_dict: positional arguments are not supported; pass "
             "destination=, prefix= and keep_vars= by name."
         )
-    if unit._state_dict_type != StateDictType.FULL_STATE_DICT:
+    if state.state_dict_type != StateDictType.FULL_STATE_DICT:
         return sharded_or_local_state_dict(unit, destination, prefix)
-    config = unit._state_dict_config
+    config = state.state_dict_config
     out = destination if destination is not None else collections.OrderedDict()
     keep = not config.rank0_only or dist.get_rank() == 0
     with summon_full_params(unit, writeback=False, guard_phase="state_dict()"):  # (also the lazy init,
         # which casts buffers)
         buffer_dtypes = original_buffer_dtypes(unit)  # saved as they were before buffer_dtype
-        summoned = {id(m._parameters[attr]) for u in fsdp_modules(unit) if u._handle is not None
-                    for m, attr, _ in u._param_slots if m._parameters.get(attr) is not None}
+        summoned = {id(m._parameters[attr]) for u in fsdp_modules(unit) if u._unit_state.handle is not None
+                    for m, attr, _ in u._unit_state.param_slots if m._parameters.get(attr) is not None}
         full = nn.Module.state_dict(unit, prefix=prefix, keep_vars=True)
         if keep:
             for name, value in full.items():
@@ -75,9 +79,9 @@ def state_dict(unit: Any, args: tuple, destination: Any, prefix: str, keep_vars:
     return out
 
 
-def load_state_dict(unit: Any, state_dict: Any, strict: bool, assign: bool) -> Any:
+def load_state_dict(unit: FullyShardedDataParallel, state_dict: Any, strict: bool, assign: bool) -> Any:
     """See ``FullyShardedDataParallel.load_state_dict``."""
-    if assign and not unit._in_summon:
+    if assign and unit._unit_state.training_state is not TrainingState.SUMMONING:
         raise NotImplementedError(
             "FullyShardedDataParallel.load_state_dict: assign=True is not implemented in flatshard; "
             "load with assign=False (values are copied into the shards)."
@@ -86,38 +90,6 @@ def load_state_dict(unit: Any, state_dict: Any, strict: bool, assign: bool) -> A
     return type(result)(
         [clean_name(k) for k in result.missing_keys], [clean_name(k) for k in result.unexpected_keys]
     )
-
-
-def register_load_hooks(unit: Any) -> None:
-    """Hooks that let a plain parent's ``load_state_dict()`` load into the unit too."""
-    unit._register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, unit))
-    unit.register_load_state_dict_post_hook(_post_load_state_dict)
-
-
-def _pre_load_state_dict(unit: Any, state_dict: Any, prefix: str, *args: Any) -> None:
-    # Runs before this module loads, also under a plain parent's load_state_dict(): the
-    # outermost unit loads every unit's parameters, one unit at a time, and hands the rest
-    # (buffers, ignored parameters) to nn.Module under the wrapped names.
-    if unit._in_summon or unit.__dict__.pop("_loaded_by_outer_unit", False):
-        return
-    if unit._is_root is None:
-        unit._lazy_init()
-    check_between_iterations(unit, "FullyShardedDataParallel.load_state_dict")
-    _rank_guard.check(unit, "load_state_dict()")
-    if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT:
-        # Loads the shards as they are: no summon.
-        unit.__dict__["_load_missing"] = prepare_local_load(unit, state_dict, prefix)
-    else:
-        # FULL and SHARDED (DTensors) alike: one unit at a time (see load_per_unit).
-        unit.__dict__["_load_missing"] = load_per_unit(unit, state_dict, prefix)
-    for inner in fsdp_modules(unit):  # their own pre-load hooks, which run next, have nothing left to do
-        if inner is not unit:
-            inner.__dict__["_loaded_by_outer_unit"] = True
-
-
-def _post_load_state_dict(unit: nn.Module, incompatible_keys: Any) -> None:
-    # The parameters' keys the state dict lacked (nn.Module saw the flat parameter's in their place).
-    incompatible_keys.missing_keys.extend(unit.__dict__.pop("_load_missing", []))
 
 
 _CONFIGS = {
@@ -151,9 +123,10 @@ def set_state_dict_type(
         raise ValueError("set_state_dict_type: expected a module with FSDP units but found none")
     previous = get_state_dict_type(module)
     for unit in units:
-        unit._state_dict_type = state_dict_type
-        unit._state_dict_config = state_dict_config
-        unit._optim_state_dict_config = optim_state_dict_config
+        state = unit._unit_state
+        state.state_dict_type = state_dict_type
+        state.state_dict_config = state_dict_config
+        state.optim_state_dict_config = optim_state_dict_config
     return previous
 
 
@@ -163,7 +136,8 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     if not units:
         raise ValueError("get_state_dict_type: expected a module with FSDP units but found none")
     unit = units[0]
-    return StateDictSettings(unit._state_dict_type, unit._state_dict_config, unit._optim_state_dict_config)
+    state = unit._unit_state
+    return StateDictSettings(state.state_dict_type, state.state_dict_config, state.optim_state_dict_config)
 
 
 @contextlib.contextmanager

@@ -2,15 +2,21 @@
 
 Each instance is one *unit*: it owns every parameter of its subtree that no
 inner unit owns, flattened into one ``FlatParam`` (C++) whose local shard is the
-``nn.Parameter`` registered here as ``_flat_param``. The root (outermost unit)
-creates one ``Scheduler`` (C++) shared by all units below it.
+``nn.Parameter`` registered here as ``_flat_param``. Its state is one ``UnitState``
+(``_unit_state``); the root (outermost unit) holds a ``RootState`` with one
+``Scheduler`` (C++) shared by all units below it (see [Note: Unit state]).
 
 This file is the public API; each concern lives in its own private module:
-- ``_construction``: groups, device, meta-device materialization, sync, the flat parameter, lazy init
-- ``_runtime``: the per-step lifecycle (forward, pre/post-backward, end of backward, no_sync)
-- ``_full_params``: summon_full_params, apply, clip_grad_norm_
-- ``_state_dict``: state_dict / load_state_dict and the state dict type settings
+- ``_state``: the one typed state per unit (``UnitState``) and per root (``RootState``)
+- ``_construction``: groups, device, meta-device materialization, sync, the flat parameter
+- ``_runtime``: lazy init and the per-step lifecycle (forward, pre/post-backward, end of backward, no_sync)
+- ``_full_params``: summon_full_params, apply
+- ``_clip_grad_norm``: clip_grad_norm_
+- ``_state_dict``: state_dict (FULL) and the state dict type settings
+- ``_sharded_state_dict``: SHARDED and LOCAL state dicts, DTensor helpers
+- ``_state_dict_load``: load_state_dict of all three types
 - ``_optim_state_dict``: optimizer state dicts
+- ``_orig_params``, ``_mixed_precision``, ``_comm_hooks``, ``_rank_guard``, ``_exit``: their features
 - ``_common``: shared names and helpers
 """
 
@@ -24,17 +30,20 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard import (
+    _clip_grad_norm,
     _comm_hooks,
     _construction,
     _full_params,
     _mixed_precision,
     _optim_state_dict,
     _orig_params,
-    _rank_guard,
     _runtime,
     _state_dict,
+    _state_dict_load,
 )
 from flatshard._common import FLAT_PARAM, RESHARD_AFTER_FORWARD, WRAPPED, clean_name, fsdp_modules, join
+from flatshard._state import UnitState
+from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
 from flatshard.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -127,30 +136,31 @@ class FullyShardedDataParallel(nn.Module):
                 "first (torchrun sets the environment it needs), or pass process_group=."
             )
         shard_group, replicate_group = _construction.resolve_groups(process_group, device_mesh, strategy)
-        self._process_group = shard_group
-        self._replicate_group = replicate_group
-        self._rank = dist.get_rank(shard_group)
-        self._world_size = dist.get_world_size(shard_group)
+        # The unit's one home for its state (see [Note: Unit state] in _state.py).
+        state = self.__dict__["_unit_state"] = UnitState(_unit_name, module)
+        state.process_group = shard_group
+        state.replicate_group = replicate_group
+        state.rank = dist.get_rank(shard_group)
+        state.world_size = dist.get_world_size(shard_group)
         replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         # Gradients are averaged over every data-parallel rank: divided before and after the SUM.
-        self._predivide, self._postdivide = _mixed_precision.gradient_divide_factors(self._world_size * replicas)
-        self._mixed_precision = _mixed_precision.check_mixed_precision(mixed_precision)
-        self._offload_params = _mixed_precision.check_cpu_offload(cpu_offload)
-        self._use_orig_params = bool(use_orig_params)
-        self._shard_factor = 1 if strategy == ShardingStrategy.NO_SHARD else self._world_size
-        self._sharding_strategy = strategy
-        self._reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
-        self._backward_prefetch = backward_prefetch
-        self._forward_prefetch = bool(forward_prefetch)
-        self._limit_all_gathers = bool(limit_all_gathers)
-        self._param_init_fn = param_init_fn
-        self._sync_module_states = bool(sync_module_states)
-        self._device = _construction.resolve_device(device_id, module, _unit_name)
-        self._device_id_given = device_id is not None
-        self._unit_name = _unit_name
+        state.predivide, state.postdivide = _mixed_precision.gradient_divide_factors(state.world_size * replicas)
+        state.mixed_precision = _mixed_precision.check_mixed_precision(mixed_precision)
+        state.offload_params = _mixed_precision.check_cpu_offload(cpu_offload)
+        state.use_orig_params = bool(use_orig_params)
+        state.shard_factor = 1 if strategy == ShardingStrategy.NO_SHARD else state.world_size
+        state.sharding_strategy = strategy
+        state.reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
+        state.backward_prefetch = backward_prefetch
+        state.forward_prefetch = bool(forward_prefetch)
+        state.limit_all_gathers = bool(limit_all_gathers)
+        state.param_init_fn = param_init_fn
+        state.sync_module_states = bool(sync_module_states)
+        state.device = _construction.resolve_device(device_id, module, _unit_name)
+        state.device_id_given = device_id is not None
 
         ignored = _construction.expand_ignored(ignored_modules, module)
-        self._ignored_modules = ignored
+        state.ignored_modules = ignored
         ignored_params = {p for m in ignored for p in m.parameters(recurse=False)} | extra_ignored
         ignored_params |= _ignored_params or set()
 
@@ -167,12 +177,12 @@ class FullyShardedDataParallel(nn.Module):
                 limit_all_gathers=limit_all_gathers,
                 param_init_fn=param_init_fn,
                 sync_module_states=sync_module_states,
-                mixed_precision=self._mixed_precision,
+                mixed_precision=state.mixed_precision,
                 cpu_offload=cpu_offload,
                 use_orig_params=use_orig_params,
             )
             names = {m: name for name, m in module.named_modules()}
-            individually = _mixed_precision.individually_wrapped(self._mixed_precision)
+            individually = _mixed_precision.individually_wrapped(state.mixed_precision)
             plan = _plan_wraps(
                 module,
                 auto_wrap_policy,
@@ -192,25 +202,9 @@ class FullyShardedDataParallel(nn.Module):
 
         self._fsdp_wrapped_module = module
         _construction.build_flat_param(self, module, ignored, ignored_params)
-        if self._handle is not None:
-            _runtime.set_views(self, self._handle.placeholder_views, placeholders=True)
-
-        # Set by the root at lazy init (see _lazy_init).
-        self._is_root: bool | None = None
-        self._root: FullyShardedDataParallel | None = None
-        self._scheduler: Any = None
-        self._units: list[FullyShardedDataParallel] = []
-        self._orig_param_units: list[FullyShardedDataParallel] = []
-        self._in_summon = False
-        self._forward_input_dtype: torch.dtype | None = None  # set at lazy init (see _mixed_precision)
-        self._comm_hook: Callable | None = None  # see _comm_hooks.py
-        self._comm_hook_state: object = None
-        self._buffer_orig_dtypes: dict = {}
-        self._state_dict_type = StateDictType.FULL_STATE_DICT
-        self._state_dict_config = FullStateDictConfig()
-        self._optim_state_dict_config = FullOptimStateDictConfig()
-        _state_dict.register_load_hooks(self)
-        _runtime.init_runtime_state(self)
+        if state.handle is not None:
+            _runtime.set_views(state, state.placeholders, placeholders=True)
+        _state_dict_load.register_load_hooks(self)
 
     # --------------------------------------------------------------- runtime
 
@@ -228,50 +222,48 @@ class FullyShardedDataParallel(nn.Module):
 
     def _lazy_init(self) -> None:
         """Makes this unit the root of every unit below it; creates the shared scheduler."""
-        if self._is_root is None:
-            _construction.lazy_init(self)
-
-    def _reshard(self) -> None:
-        _runtime.reshard(self)
+        if self._unit_state.is_root is None:
+            _runtime.lazy_init(self)
 
     def _has_pending_uses(self) -> bool:
-        return _runtime.has_pending_uses(self)
+        return _runtime.has_pending_uses(self._unit_state)
 
     # ------------------------------------------------------- torch's methods
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "FullyShardedDataParallel":
         # .to(), .cuda(), .half(), .double() and friends. A cast (same device) is applied to the
         # shards, as torch's FSDP does; a move would leave the runtime's buffers behind and is refused.
-        flat = self._parameters.get(FLAT_PARAM, self.__dict__.get(FLAT_PARAM))
+        state = self._unit_state
+        flat = state.flat_param
         cast = False
         if flat is not None:
             probe = fn(torch.empty(0, dtype=flat.dtype, device=flat.device))
             if probe.device != flat.device:
                 fix = ("with cpu_offload the shards stay on the host on purpose: leave the module where it is"
-                       if self._offload_params else
+                       if state.offload_params else
                        "Move the module before wrapping it (device_id= moves it at wrap time)")
                 raise ValueError(
-                    f"FullyShardedDataParallel: unit '{self._unit_name or '<root>'}': expected no move after "
+                    f"FullyShardedDataParallel: unit '{state.label}': expected no move after "
                     f"wrapping but got {flat.device} -> {probe.device}. {fix}."
                 )
             cast = probe.dtype != flat.dtype
-            if cast and self._use_orig_params:  # the flat shard first: the parameters are views of it
-                _orig_params.writeback(self)  # (a zero_grad since the last step included)
+            if cast and state.use_orig_params:  # the flat shard first: the parameters are views of it
+                _orig_params.writeback(state)  # (a zero_grad since the last step included)
                 with torch.no_grad():
                     flat.data = flat.data.to(probe.dtype)
                     if flat.grad is not None:
                         flat.grad = flat.grad.to(probe.dtype)
         out = super()._apply(fn, recurse)
         if cast:
-            self._handle.after_shard_cast()
-            guard = _rank_guard.guard_of(self)
-            if guard is not None:
-                guard.model_changed()
-            if self._use_orig_params:
-                _orig_params.use_sharded_views(self)
-                _orig_params.use_grad_views(self)
+            state.handle.after_shard_cast()
+            state.storage_changed()
+            if state.root is not None and state.root.guard is not None:
+                state.root.guard.model_changed()
+            if state.use_orig_params:
+                _orig_params.use_sharded_views(state)
+                _orig_params.use_grad_views(state)
             else:
-                _runtime.set_views(self, self._handle.placeholder_views, placeholders=True)
+                _runtime.set_views(state, state.placeholders, placeholders=True)
         return out
 
     @property
@@ -303,7 +295,7 @@ class FullyShardedDataParallel(nn.Module):
     def check_is_root(self) -> bool:
         """Whether this unit is the root (lazy-initializes if no forward ran yet)."""
         self._lazy_init()
-        return bool(self._is_root)
+        return bool(self._unit_state.is_root)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
@@ -350,7 +342,7 @@ class FullyShardedDataParallel(nn.Module):
         ``torch.nn.utils.clip_grad_norm_`` on ``model.parameters()`` would see
         only this rank's shards.
         """
-        return _full_params.clip_grad_norm(self, max_norm, norm_type)
+        return _clip_grad_norm.clip_grad_norm(self, max_norm, norm_type)
 
     # ------------------------------------------------------------ state dicts
 
@@ -372,8 +364,6 @@ class FullyShardedDataParallel(nn.Module):
         """Called only by torch's ``torch.distributed.checkpoint.state_dict`` helpers, which would lose
         optimizer state on a flatshard model: raises with the fix (see [Note: torch's state-dict
         helpers] in ``checkpoint/_state_dict_api.py``)."""
-        from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
-
         raise RuntimeError(TORCH_HELPERS_ERROR)
 
     @staticmethod

@@ -23,6 +23,7 @@
 using flatshard::Collectives;
 using flatshard::FlatParam;
 using flatshard::FlatParamLayout;
+using flatshard::FlatParamOptions;
 using flatshard::Scheduler;
 using flatshard::ShardedState;
 
@@ -159,14 +160,16 @@ TEST(Scheduler, UnshardWaitReshardAndIdempotence) {
 TEST(Scheduler, ReduceGradAveragesAccumulatesAndWritesGradShard) {
   run_ranks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
     FlatParamLayout layout({{3, 2}, {5}}, 2);
-    FlatParam unit("unit", layout, rank, params());
+    FlatParamOptions options;
+    options.predivide = 2.0;  // the average over 2 ranks, all divided before the SUM
+    FlatParam unit("unit", layout, rank, params(), options);
     Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
     const float r = static_cast<float>(rank + 1);  // rank 0 sends 1s, rank 1 sends 2s
     // Two uses before the reduction: the flat gradient accumulates (2r), the
     // second parameter's gradient is missing (zeros) in the first use.
     unit.accumulate_grad({at::full({3, 2}, r), at::Tensor()});
     unit.accumulate_grad({at::full({3, 2}, r), at::full({5}, r)});
-    scheduler.reduce_grad(unit, /*predivide=*/2.0, /*postdivide=*/1.0, /*all_reduce_replicas=*/false);
+    scheduler.reduce_grad(unit);
     EXPECT_FALSE(unit.has_unsharded_grad());
     EXPECT_EQ(scheduler.pending_reductions(), 1);
     scheduler.finish_grad_sync();
@@ -178,7 +181,7 @@ TEST(Scheduler, ReduceGradAveragesAccumulatesAndWritesGradShard) {
     EXPECT_TRUE(at::allclose(grad, expected.narrow(0, rank * 6, 6)));
     // A second reduction accumulates into .grad (accumulation with communication).
     unit.accumulate_grad({at::full({3, 2}, r), at::full({5}, r)});
-    scheduler.reduce_grad(unit, 2.0, 1.0, false);
+    scheduler.reduce_grad(unit);
     scheduler.finish_grad_sync();
     scheduler.finish_grad_sync();  // nothing pending: a no-op
     at::Tensor twice = expected + at::cat({at::full({11}, 1.5f), at::zeros({1})});
@@ -189,7 +192,9 @@ TEST(Scheduler, ReduceGradAveragesAccumulatesAndWritesGradShard) {
 TEST(Scheduler, ReplicatedUnitNeedsNoAllGatherAndAllReducesGradients) {
   run_ranks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
     FlatParamLayout layout({{3, 2}, {5}}, 1);  // NO_SHARD: shard factor 1
-    FlatParam unit("unit", layout, 0, params());
+    FlatParamOptions options;
+    options.predivide = 2.0;
+    FlatParam unit("unit", layout, 0, params(), options);
     EXPECT_TRUE(unit.is_replicated());
     Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
     scheduler.unshard(unit);
@@ -200,7 +205,7 @@ TEST(Scheduler, ReplicatedUnitNeedsNoAllGatherAndAllReducesGradients) {
     unit.local_shard().add_(1);
     EXPECT_TRUE(at::equal(unit.views()[1], params()[1] + 1));
     unit.accumulate_grad({at::full({3, 2}, static_cast<float>(rank)), at::full({5}, 4.0f)});
-    scheduler.reduce_grad(unit, 2.0, 1.0, false);
+    scheduler.reduce_grad(unit);
     scheduler.finish_grad_sync();
     at::Tensor expected = at::cat({at::full({6}, 0.5f), at::full({5}, 4.0f)});
     EXPECT_TRUE(at::allclose(unit.local_shard().grad(), expected));

@@ -51,6 +51,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from flatshard._profiling import collective_range
+
 __all__ = ["load", "save"]
 
 COMPLETE_RECORD = ".flatshard-complete"
@@ -70,7 +72,8 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, keep_last: int | Non
     """
     path, tmp = _from_rank0(process_group, lambda: _outcome(lambda: _prepare(os.fspath(path), keep_last)))
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=process_group)
+        with collective_range("checkpoint save (torch.distributed.checkpoint)"):
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=process_group)
         error = None
     except CheckpointException as e:  # a BaseException: as an ordinary error, naming the ranks
         error = _failed("save", path, e, "; the previous checkpoint there, if any, is intact")
@@ -82,7 +85,8 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, keep_last: int | Non
     seen = _listing(tmp)
     everyone = [seen] if not dist.is_initialized() else [None] * dist.get_world_size(process_group)
     if dist.is_initialized():
-        dist.all_gather_object(everyone, seen, group=process_group)
+        with collective_range("checkpoint save all_gather_object (files written)"):
+            dist.all_gather_object(everyone, seen, group=process_group)
     _from_rank0(process_group, lambda: _outcome(lambda: _commit(tmp, path, everyone)))
     if _rank(process_group) == 0:  # after every rank learned the outcome: nothing below can lose data
         _tidy(path, keep_last)
@@ -100,7 +104,8 @@ def load(state: dict[str, Any], path: str | os.PathLike, *,
         warnings.warn(f"flatshard.checkpoint.load: {path} is missing; loading {found}, the checkpoint a "
                       f"save interrupted between its two renames had moved aside.", stacklevel=2)
     try:
-        dcp.load(state, checkpoint_id=found, process_group=process_group)
+        with collective_range("checkpoint load (torch.distributed.checkpoint)"):
+            dcp.load(state, checkpoint_id=found, process_group=process_group)
     except CheckpointException as e:
         raise _failed("load", found, e, "") from e
 
@@ -359,5 +364,6 @@ def _from_rank0(group: dist.ProcessGroup | None, fn: Any) -> Any:
     if not dist.is_initialized():
         return _raise_or_return(fn())
     box = [fn() if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, group_src=0, group=group)
+    with collective_range("checkpoint broadcast_object_list (rank 0's outcome)"):
+        dist.broadcast_object_list(box, group_src=0, group=group)
     return _raise_or_return(box[0])

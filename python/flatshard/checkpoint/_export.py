@@ -53,17 +53,17 @@ def stream_full_weights(
     managed: set[int] = set()
     seen: set[str] = set()
     for unit in units:
-        if unit._handle is None:
+        if unit._unit_state.handle is None:
             continue
         with summon_full_params(unit, recurse=False, writeback=False):
-            for m, attr, _ in unit._param_slots:
+            for m, attr, _ in unit._unit_state.param_slots:
                 param = m._parameters[attr]
                 managed.add(id(param))
                 name = join(paths[id(m)], attr)
                 if keep and name not in seen:
                     seen.add(name)
                     yield name, out(param)
-        managed.add(id(unit._flat_param))
+        managed.add(id(unit._unit_state.flat_param))
         managed.update(id(p) for p in getattr(unit, "_orig_params", ()))
     buffer_dtypes = original_buffer_dtypes(model)
     if not keep:

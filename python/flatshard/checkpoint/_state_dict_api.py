@@ -27,6 +27,9 @@ from torch.distributed.checkpoint import state_dict as torch_dsd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from flatshard._common import clean_name, fsdp_modules, is_unit, join
+from flatshard._optim_state_dict import optim_state_dict, optim_state_dict_to_load
+from flatshard._profiling import collective_range
+from flatshard._state_dict import state_dict_type
 from flatshard.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -87,13 +90,11 @@ def get_optimizer_state_dict(
     if not fsdp_modules(model):
         return torch_dsd.get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options)
     options = _checked(options, submodules, "get_optimizer_state_dict")
-    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     with _state_dict_type(model, options):
         for optim in optimizers:
             _init_optim_state(optim)
-            osd = FSDP.optim_state_dict(model, optim)
+            osd = optim_state_dict(model, optim)
             if osd:  # {} on ranks other than 0 with full_state_dict and cpu_offload
                 merged["state"].update(osd["state"])
                 merged["param_groups"].extend(osd["param_groups"])
@@ -152,8 +153,6 @@ def set_optimizer_state_dict(
     options = _checked(options, None, "set_optimizer_state_dict")
     if options.full_state_dict and (options.broadcast_from_rank0 or options.cpu_offload):
         optim_state_dict = _broadcast(optim_state_dict)  # as torch's rank0_only optimizer config: rank 0's
-    from flatshard._optim_state_dict import optim_state_dict_to_load
-
     groups = list(optim_state_dict.get("param_groups", []))
     wanted = sum(len(o.param_groups) for o in optimizers)
     if len(groups) != wanted:
@@ -205,8 +204,6 @@ def _checked(options: StateDictOptions | None, submodules: Any, what: str) -> St
 
 @contextlib.contextmanager
 def _state_dict_type(model: nn.Module, options: StateDictOptions) -> Iterator[None]:
-    from flatshard._state_dict import state_dict_type
-
     if options.full_state_dict:  # as torch: cpu_offload puts the full dicts on rank 0 only
         settings = (StateDictType.FULL_STATE_DICT,
                     FullStateDictConfig(offload_to_cpu=options.cpu_offload, rank0_only=options.cpu_offload),
@@ -224,11 +221,11 @@ def _frozen_names(model: nn.Module) -> set[str]:
     frozen: set[str] = set()
     path_of = {id(m): clean_name(n) for n, m in model.named_modules() if is_unit(m)}
     for unit in fsdp_modules(model):
-        if unit._handle is None:
+        if unit._unit_state.handle is None:
             continue
-        indices = range(len(unit._param_local_names)) if not unit._flat_param.requires_grad else unit.__dict__.get(
-            "_frozen_indices", [])
-        frozen.update(join(path_of[id(unit)], unit._param_local_names[i]) for i in indices)
+        state = unit._unit_state
+        indices = range(len(state.param_local_names)) if not state.flat_param.requires_grad else state.frozen_indices
+        frozen.update(join(path_of[id(unit)], state.param_local_names[i]) for i in indices)
     frozen.update(clean_name(n) for n, p in model.named_parameters() if not p.requires_grad)
     return frozen
 
@@ -261,7 +258,8 @@ def _broadcast(state: dict[str, Any]) -> dict[str, Any]:
     leaves, spec = pytree.tree_flatten(state) if dist.get_rank() == 0 else ([], None)
     box = [([("tensor", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", t) for t in leaves],
             pytree.treespec_dumps(spec)) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    with collective_range("broadcast_from_rank0 broadcast_object_list (structure)"):
+        dist.broadcast_object_list(box, src=0)
     described, spec_text = box[0]
     out = []
     for i, (kind, *rest) in enumerate(described):
@@ -271,7 +269,8 @@ def _broadcast(state: dict[str, Any]) -> dict[str, Any]:
         shape, dtype = rest
         tensor = leaves[i].detach().to(device) if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype,
                                                                                        device=device)
-        dist.broadcast(tensor, src=0)
+        with collective_range("broadcast_from_rank0 broadcast"):
+            dist.broadcast(tensor, src=0)
         out.append(tensor.cpu() if dist.get_rank() != 0 and device.type != "cpu" else tensor)
     return pytree.tree_unflatten(out, pytree.treespec_loads(spec_text))
 

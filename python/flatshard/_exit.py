@@ -1,0 +1,50 @@
+"""The interpreter's exit with collectives in flight: see [Note: Exit]."""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flatshard._state import RootState
+
+# [Note: Exit]
+# gloo keeps each collective's work object on its own worker thread until the
+# collective has run, and destroys it there; the object holds the thread-local
+# state of the moment it was issued, which can own Python objects. If a
+# collective is still in flight when the interpreter shuts down (a backward
+# raised on every rank and the script let the exception end it: the
+# prefetched all-gather and the reductions of that backward are still
+# running), the worker releases that Python object during finalization and
+# the process dies by SIGABRT instead of exiting with its traceback and
+# status 1. So at exit (atexit runs before finalization) every live root's
+# in-flight collectives are waited for, for at most EXIT_DRAIN_SECONDS (a
+# collective whose peers will never issue it is abandoned: it will not complete
+# during finalization either), then briefly more, for the workers to drop the
+# objects they finished with. Nothing else changes: no collective is issued.
+
+EXIT_DRAIN_SECONDS = 10.0
+_live_roots: weakref.WeakSet[RootState] = weakref.WeakSet()
+
+
+def register_for_exit(root: RootState) -> None:
+    _live_roots.add(root)
+
+
+def _drain_at_exit() -> None:
+    waited = False
+    deadline = time.monotonic() + EXIT_DRAIN_SECONDS  # for all roots together
+    for root in list(_live_roots):
+        scheduler = root.scheduler
+        try:
+            _, had_any = scheduler.drain(max(0.0, deadline - time.monotonic()))
+            waited = waited or had_any
+        except Exception:  # noqa: BLE001 (exiting: nothing to report it to)
+            pass
+    if waited:
+        time.sleep(0.05)
+
+
+atexit.register(_drain_at_exit)

@@ -1,0 +1,231 @@
+"""Where a unit's state lives: one ``UnitState`` per unit, one ``RootState`` per root.
+
+[Note: Unit state]
+Every ``FullyShardedDataParallel`` holds one ``UnitState`` as ``_unit_state`` (in its
+``__dict__``: not a submodule, not a parameter), made at wrap time, and nothing else of
+flatshard's is set on the module but the flat parameter (``_flat_param``, torch's name)
+and the wrapped module. The fields come in three groups: configuration (fixed at wrap
+time: groups, strategy, prefetch, dtypes, device), storage (the C++ ``FlatParam`` and
+how the original parameters map onto it) and runtime (what changes step by step).
+
+A root is made at lazy init (the first forward, or the first call that needs the
+runtime): the outermost unit gets a ``RootState`` that holds the scheduler, the units
+in order, the rank guard and the per-iteration orders, and every unit below it points
+at that one ``RootState`` (``UnitState.root``). Undoing lazy init (``apply()`` on a unit
+that may not be the real root) drops every unit's pointer and ``is_root``: nothing of a
+root survives it, so there is nothing to reset by hand.
+
+``TrainingState`` is the unit's place in the step; the hook entry points switch it
+and assert what may come before them (see [Note: Unit lifecycle] in _runtime.py):
+  IDLE -> FORWARD -> IDLE                    a forward call
+  IDLE -> PRE_BACKWARD -> POST_BACKWARD      each use's backward, in reverse
+  POST_BACKWARD -> PRE_BACKWARD              the next use of a unit called twice
+  * -> IDLE                                  the root's end of backward (or abort)
+  IDLE -> SUMMONING -> IDLE                  summon_full_params, apply, state dicts
+A recomputation (activation checkpointing reruns a forward during backward) puts the
+unit in PRE_BACKWARD: its gradients come next.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from flatshard.api import (
+    BackwardPrefetch,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from flatshard import _C
+    from flatshard._rank_guard import RankGuard
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
+
+
+class TrainingState(enum.Enum):
+    """A unit's place in the step (see [Note: Unit state])."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre-backward"
+    POST_BACKWARD = "post-backward"
+    SUMMONING = "summoning"
+
+
+class UnitState:
+    """Everything flatshard keeps about one unit (see [Note: Unit state])."""
+
+    __slots__ = (
+        # --- configuration: fixed at wrap time
+        "name",  # the unit's path under its root ("" for the root); final at lazy init
+        "module",  # the wrapped module
+        "process_group",  # the shard group
+        "replicate_group",  # hybrid sharding's replicate group, else None
+        "rank",  # this rank in the shard group
+        "world_size",  # the shard group's size
+        "shard_factor",  # ranks the flat parameter is split over (1: NO_SHARD)
+        "sharding_strategy",
+        "reshard_after_forward",  # FULL_SHARD, HYBRID_SHARD
+        "backward_prefetch",
+        "forward_prefetch",
+        "limit_all_gathers",
+        "mixed_precision",  # torch's MixedPrecision, or None
+        "offload_params",  # CPUOffload(offload_params=True)
+        "use_orig_params",
+        "param_init_fn",
+        "sync_module_states",
+        "device",  # the compute device
+        "device_id_given",  # whether device_id= was passed (else param_init_fn may choose)
+        "ignored_modules",  # the expanded set
+        "predivide",  # gradient division before the SUM (see _mixed_precision.gradient_divide_factors)
+        "postdivide",  # and after it
+        # --- storage
+        "handle",  # the C++ FlatParam, or None for a unit without parameters of its own
+        "replicated",  # the handle's shard is the whole flat parameter (shard factor 1)
+        "placeholders",  # the handle's placeholder views (see [Note: Placeholders] in flat_param.h)
+        "flat_param",  # the local shard as an nn.Parameter (registered as _flat_param unless use_orig_params)
+        "param_slots",  # [(module, attribute, index into the flat order)], one per registration of a parameter
+        "param_names",  # the parameters' full names at wrap time, in flat order
+        "param_local_names",  # their names relative to the wrapped module
+        "frozen_indices",  # use_orig_params: frozen parameters of a trainable unit
+        "orig_params",  # use_orig_params: the original nn.Parameters, in flat order
+        "orig_grad_seen",  # use_orig_params: which got a gradient this iteration
+        "buffer_orig_dtypes",  # (module, buffer name) -> dtype before buffer_dtype's cast
+        # --- runtime
+        "root",  # the RootState of this unit's root, set at lazy init; None before
+        "is_root",  # None before lazy init
+        "training_state",
+        "uses",  # live uses of the parameters by autograd (see _runtime.Use)
+        "placeholders_set",  # whether the modules hold the storage-less placeholders
+        "sync_gradients",  # False inside no_sync()
+        "forward_input_dtype",  # what forward inputs are cast to, or None (set at lazy init)
+        "comm_hook",  # a user's communication hook, or None
+        "comm_hook_state",
+        "state_dict_type",
+        "state_dict_config",
+        "optim_state_dict_config",
+        "dtensor_mesh",  # the unit's DTensor mesh (cached), or None
+        "loading",  # during load_state_dict: whether an outer unit loaded this one ("done"), and the missing keys
+        "plain_state_dict",  # answer state_dict() as a plain module (inside an outer unit's sharded state_dict)
+    )
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module = module
+        self.process_group: dist.ProcessGroup | None = None
+        self.replicate_group: dist.ProcessGroup | None = None
+        self.rank = 0
+        self.world_size = 1
+        self.shard_factor = 1
+        self.sharding_strategy = ShardingStrategy.FULL_SHARD
+        self.reshard_after_forward = True
+        self.backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+        self.forward_prefetch = False
+        self.limit_all_gathers = True
+        self.mixed_precision: MixedPrecision | None = None
+        self.offload_params = False
+        self.use_orig_params = False
+        self.param_init_fn: Callable[[nn.Module], None] | None = None
+        self.sync_module_states = False
+        self.device = torch.device("cpu")
+        self.device_id_given = False
+        self.ignored_modules: set[nn.Module] = set()
+        self.predivide = 1.0
+        self.postdivide = 1.0
+
+        self.handle: _C.FlatParam | None = None
+        self.replicated = False
+        self.placeholders: list[torch.Tensor] = []
+        self.flat_param: nn.Parameter | None = None
+        self.param_slots: list[tuple[nn.Module, str, int]] = []
+        self.param_names: list[str] = []
+        self.param_local_names: list[str] = []
+        self.frozen_indices: list[int] = []
+        self.orig_params: list[nn.Parameter] = []
+        self.orig_grad_seen: list[bool] = []
+        self.buffer_orig_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
+
+        self.root: RootState | None = None
+        self.is_root: bool | None = None
+        self.training_state = TrainingState.IDLE
+        self.uses: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.placeholders_set = True
+        self.sync_gradients = True
+        self.forward_input_dtype: torch.dtype | None = None
+        self.comm_hook: Callable | None = None
+        self.comm_hook_state: object = None
+        self.state_dict_type = StateDictType.FULL_STATE_DICT
+        self.state_dict_config: Any = FullStateDictConfig()
+        self.optim_state_dict_config: Any = FullOptimStateDictConfig()
+        self.dtensor_mesh: Any = None
+        self.loading: dict[str, Any] = {}
+        self.plain_state_dict = False
+
+    @property
+    def label(self) -> str:
+        """How error messages name the unit: its name, or ``<root>``."""
+        return self.name or "<root>"
+
+    def storage_changed(self) -> None:
+        """After the handle was made, or remade its buffers (a cast): the values read from it."""
+        self.replicated = self.handle.is_replicated
+        self.placeholders = list(self.handle.placeholder_views)
+
+    def drop_root(self) -> None:
+        """Undoes lazy init for this unit (see [Note: Unit state])."""
+        self.root = None
+        self.is_root = None
+
+
+class RootState:
+    """What one root holds for every unit below it (see [Note: Unit state])."""
+
+    __slots__ = (
+        "unit",  # the root FullyShardedDataParallel
+        "scheduler",  # the C++ Scheduler every unit of this root uses
+        "units",  # every unit, the root first, in module order (the same on every rank)
+        "orig_param_units",  # the units with use_orig_params and parameters
+        "sharded_handles",  # the handles of the units that all-gather (not replicated)
+        "guard",  # the RankGuard, or None (off)
+        # --- per iteration (see [Note: Unit lifecycle] in _runtime.py)
+        "in_iteration",  # a forward ran and its backward has not ended
+        "in_forward_call",  # the root's forward is running (summoning then is refused)
+        "final_callback_queued",  # the end of backward is queued with autograd
+        "backward_task",  # the graph task of the backward under way, or -1
+        "pre_forward_order",  # units in the order their forward started, this iteration
+        "prev_pre_forward_order",  # the same, last iteration (forward prefetch)
+        "post_forward_order",  # units in the order their forward ended (backward prefetch)
+        "recompute_order",  # the same, for a rerun of the whole model (see [Note: Recomputation])
+        "recomputing",  # the whole model is being rerun
+        "__weakref__",  # (the exit drain holds roots weakly)
+    )
+
+    def __init__(self, unit: FullyShardedDataParallel, scheduler: _C.Scheduler,
+                 units: list[FullyShardedDataParallel]) -> None:
+        self.unit = unit
+        self.scheduler = scheduler
+        self.units = units
+        self.orig_param_units = [u for u in units if u._unit_state.use_orig_params and u._unit_state.handle is not None]
+        self.sharded_handles = [u._unit_state.handle for u in units
+                                if u._unit_state.handle is not None and not u._unit_state.replicated]
+        self.guard: RankGuard | None = None
+        self.in_iteration = False
+        self.in_forward_call = False
+        self.final_callback_queued = False
+        self.backward_task = -1
+        self.pre_forward_order: list[UnitState] = []
+        self.prev_pre_forward_order: list[UnitState] = []
+        self.post_forward_order: list[UnitState] = []
+        self.recompute_order: list[UnitState] = []
+        self.recomputing = False
+

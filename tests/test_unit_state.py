@@ -1,0 +1,166 @@
+"""One typed state per unit: the training state at each hook, and the crossings into C++ per step.
+
+The training state ([Note: Unit state] in python/flatshard/_state.py) is read at every
+point of a unit's life: inside its module's forward (FORWARD), after its pre-backward
+(PRE_BACKWARD) and post-backward (POST_BACKWARD) hooks, after the backward (IDLE), inside
+summon_full_params and apply (SUMMONING), and after them (IDLE); a post-backward out of
+turn trips the hooks' assertion.
+
+Crossings ([Note: One crossing per lifecycle step] in csrc/bindings/bindings.cpp): every
+call of a method, property or function of ``flatshard._C`` (each replaced by a counting
+wrapper for the step) made while a unit's forward, pre-backward or post-backward runs is
+counted for that unit, in the second step of training (the first one builds the root).
+Limits: forward <= 2 (wait-and-views, then the reshard after forward; the root's forward
+asks how many units are sharded, for the rank guard, instead of resharding),
+pre-backward <= 2, post-backward exactly 1.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+
+import pytest
+import torch
+from torch.distributed.fsdp import BackwardPrefetch
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from _dist import run_distributed
+from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+
+
+@contextlib.contextmanager
+def _counting_crossings():
+    """Yields {(phase, unit name): crossings} for the hooks run inside the context: every method,
+    property and function of ``flatshard._C`` is replaced by a counting wrapper meanwhile."""
+    from flatshard import _C, _runtime
+
+    counts: collections.Counter = collections.Counter()
+    stack: list[tuple[str, str]] = []
+
+    def count(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if stack:
+                counts[stack[-1]] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    replaced = []
+    for owner in (_C.Scheduler, _C.FlatParam, _C.FlatParamLayout, _C):
+        for name, attr in list(vars(owner).items()):
+            if name.startswith("__") or isinstance(attr, type):
+                continue
+            if isinstance(attr, property):
+                new = property(count(attr.fget), attr.fset)
+            elif callable(attr):
+                new = count(attr)
+            else:
+                continue
+            replaced.append((owner, name, attr))
+            setattr(owner, name, new)
+
+    def counted(phase, fn, name_of):
+        def wrapper(*args, **kwargs):
+            stack.append((phase, name_of(*args)))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stack.pop()
+        return wrapper
+
+    originals = {name: getattr(_runtime, name) for name in ("forward", "pre_backward", "post_backward")}
+    _runtime.forward = counted("forward", originals["forward"], lambda unit, *_: unit._unit_state.name)
+    _runtime.pre_backward = counted("pre-backward", originals["pre_backward"], lambda s, *_: s.name)
+    _runtime.post_backward = counted("post-backward", originals["post_backward"], lambda s, *_: s.name)
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(_runtime, name, fn)
+        for owner, name, attr in replaced:
+            setattr(owner, name, attr)
+
+
+def _crossings(rank, world_size, backward_prefetch, forward_prefetch):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                 backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = local_slice(make_batch(), rank, world_size)
+    for step in range(2):
+        context = _counting_crossings() if step == 1 else contextlib.nullcontext(None)
+        with context as counts:
+            gpt_loss(model, *batch).backward()
+        opt.step()
+        opt.zero_grad()
+    units = [u._unit_state.name for u in FSDP.fsdp_modules(model)]
+    return {f"{phase} {name or '<root>'}": n for (phase, name), n in counts.items()}, units
+
+
+@pytest.mark.parametrize("backward_prefetch,forward_prefetch", [
+    (BackwardPrefetch.BACKWARD_PRE, False), (BackwardPrefetch.BACKWARD_POST, True)])
+def test_crossings_into_cpp_per_unit_per_step(backward_prefetch, forward_prefetch):
+    counts, units = run_distributed(_crossings, 2, backward_prefetch, forward_prefetch)[0]
+    limits = {"forward": 2, "pre-backward": 2, "post-backward": 1}
+    for name in units:
+        label = name or "<root>"
+        for phase, limit in limits.items():
+            key = f"{phase} {label}"
+            assert key in counts, f"no {phase} counted for unit {label}: {counts}"
+            assert counts[key] <= limit, f"{key}: {counts[key]} crossings into C++ (at most {limit}): {counts}"
+        assert counts[f"post-backward {label}"] == 1, counts
+
+
+def _training_states(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import _runtime
+    from flatshard._state import TrainingState
+
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    block = model.module.blocks[1]  # a unit
+    state = block._unit_state
+    seen: list[tuple[str, TrainingState]] = []
+    block.module.register_forward_pre_hook(lambda *_: seen.append(("in forward", state.training_state)))
+
+    def after(what, fn):
+        def wrapper(s, *args, **kwargs):
+            out = fn(s, *args, **kwargs)
+            if s is state:
+                seen.append((what, s.training_state))
+            return out
+        return wrapper
+
+    originals = {name: getattr(_runtime, name) for name in ("pre_backward", "post_backward")}
+    _runtime.pre_backward = after("after pre-backward", originals["pre_backward"])
+    _runtime.post_backward = after("after post-backward", originals["post_backward"])
+    try:
+        seen.append(("before", state.training_state))
+        loss = gpt_loss(model, *local_slice(make_batch(), rank, world_size))
+        seen.append(("after forward", state.training_state))
+        loss.backward()
+        seen.append(("after backward", state.training_state))
+    finally:
+        for name, fn in originals.items():
+            setattr(_runtime, name, fn)
+    with FSDP.summon_full_params(model):
+        seen.append(("in summon_full_params", state.training_state))
+    seen.append(("after summon_full_params", state.training_state))
+    model.apply(lambda m: seen.append(("in apply", state.training_state)) if m is block.module else None)
+    seen.append(("after apply", state.training_state))
+    # A post-backward out of turn is our bug: the hook asserts.
+    with pytest.raises(AssertionError, match=r"post-backward of unit 'blocks.1' in state TrainingState.IDLE"):
+        _runtime.post_backward(state, _runtime.Use(state), ())
+    return [(what, s.name) for what, s in seen]
+
+
+def test_training_state_at_each_hook():
+    seen = run_distributed(_training_states, 2)[0]
+    assert seen == [
+        ("before", "IDLE"), ("in forward", "FORWARD"), ("after forward", "IDLE"),
+        ("after pre-backward", "PRE_BACKWARD"), ("after post-backward", "POST_BACKWARD"),
+        ("after backward", "IDLE"), ("in summon_full_params", "SUMMONING"), ("after summon_full_params", "IDLE"),
+        ("in apply", "SUMMONING"), ("after apply", "IDLE"),
+    ], seen
