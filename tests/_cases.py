@@ -11,6 +11,10 @@ another may still sit in a collective, until the short collective timeout) the r
 stops with an error naming that case, because the default group may then be out of step
 across ranks. A run that fails as a whole is cached as its exception and re-raised by
 every test that reads it.
+
+What every case of a run needs and only a run can make once (process groups, a device
+mesh) comes from an optional ``setup``, called on each rank after the control group and
+before the first case; its result is passed to every case.
 """
 
 from __future__ import annotations
@@ -26,15 +30,21 @@ __all__ = ["CaseRun", "run_cases"]
 
 
 def run_cases(rank: int, world_size: int, case_fn: Callable, names: list[str], cases: list, args: tuple,
-              control_timeout_s: float) -> dict[str, dict[str, Any]]:
+              control_timeout_s: float, setup: Callable | None = None) -> dict[str, dict[str, Any]]:
     """Rank side: ``case_fn(rank, world_size, case, *args)`` for each case.
+
+    With ``setup``, ``prepared = setup(rank, world_size, cases, *args)`` runs once first
+    and each case is called as ``case_fn(rank, world_size, case, *args, prepared)``; if
+    setup raises, the run fails as a whole.
 
     Returns {case name: {"error": traceback or None, "result": what case_fn returned}}.
     """
     import torch.distributed as dist
 
-    # Every rank creates it, first thing, in the same order.
+    # Every rank creates it, first thing, in the same order (then setup's groups, if any).
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    if setup is not None:
+        args = (*args, setup(rank, world_size, cases, *args))
     out: dict[str, dict[str, Any]] = {}
     for name, case in zip(names, cases):
         print(f"== case {name}", flush=True)
@@ -56,14 +66,17 @@ class CaseRun:
     ``cases_of(key)`` gives ``(world_size, [(name, case), ...])``; ``results(key, name)``
     runs that key's cases once (see [Note: One process start per world size]) and returns
     the per-rank results of case ``name``, failing the test with every rank's traceback if
-    the case raised anywhere.
+    the case raised anywhere. ``setup``: see ``run_cases``. ``case_fn`` and ``setup`` must
+    be module-level functions (they are pickled to the ranks).
     """
 
     def __init__(self, case_fn: Callable, cases_of: Callable[[Hashable], tuple[int, list[tuple[str, Any]]]],
-                 *args: Any, timeout: float = 300.0, pg_timeout: float = 30.0) -> None:
+                 *args: Any, setup: Callable | None = None, timeout: float = 300.0,
+                 pg_timeout: float = 30.0) -> None:
         self._case_fn = case_fn
         self._cases_of = cases_of
         self._args = args
+        self._setup = setup
         self._timeout = timeout
         self._pg_timeout = pg_timeout
         self._cache: dict[Hashable, Any] = {}
@@ -74,7 +87,7 @@ class CaseRun:
             try:
                 self._cache[key] = run_distributed(
                     run_cases, world_size, self._case_fn, [n for n, _ in cases], [c for _, c in cases], self._args,
-                    3 * self._pg_timeout, timeout=self._timeout, pg_timeout=self._pg_timeout)
+                    3 * self._pg_timeout, self._setup, timeout=self._timeout, pg_timeout=self._pg_timeout)
             except Exception as e:  # noqa: BLE001 - re-raised by each test that reads it
                 self._cache[key] = e
         res = self._cache[key]

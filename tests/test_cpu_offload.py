@@ -1,13 +1,26 @@
 """``CPUOffload(offload_params=True)`` trains to the same results as without it.
 
 Acceptance (issue 8), at world sizes 1 and 2, for FULL_SHARD, NO_SHARD and bf16 mixed
-precision: the same per-step losses and final parameters as the run without offload
-(exactly: on this CPU-only machine the host is the compute device, so the copies to and
-from it move nothing, and torch's FSDP1 refuses offload here altogether), the shards and
-their gradients on the host, and ``clip_grad_norm_``, ``summon_full_params``, the FULL
-state dict and the optimizer state dict working with them. What differs on a GPU (pinned
-host shards copied to the device on the all-gather stream, gradients copied back at the
-end of backward) is exercised by tests/test_gpu.py where a GPU is present.
+precision: the same per-step losses, gradient norms (``clip_grad_norm_``), final
+parameters (``summon_full_params``) and FULL state dict as the run without offload, bit
+for bit, the same optimizer state dict keys, and parameters and gradients on the host.
+
+What this test does and does not exercise: on this CPU-only machine the shards' "host"
+and "device" are the same memory. The compute device is the CPU, so each unit's
+``FlatParam`` turns offload off (csrc/flatshard/flat_param.cpp: "On a CPU-only run the
+host is the compute device"; ``handle.offload`` reads False) and trains exactly as
+without it; torch's FSDP1 refuses offload here altogether, so there is no torch oracle.
+What is checked is the option's plumbing and the numerics with it set: ``cpu_offload``
+accepted by every unit, and nothing changed by it on the host, bf16 mixed precision's
+casts included: the optimizer stepping the host shards, clipping, summoning, the FULL
+state dict and the optimizer state dict's keys are those of the run without it. Not
+exercised here: pinned host shards, their cast and copy to the device before each
+all-gather, the reduced gradient shards copied back to pinned host memory and added into
+``.grad`` at the end of backward, the overlap of those copies with compute on their
+streams, and the device memory offload saves. On a GPU, ``test_bf16_and_offload_on_gpu``
+in tests/test_gpu.py (NCCL at world size 1, gloo at 2, bf16) runs that code: it checks
+that the shards are pinned host memory and that the losses equal the run without offload
+(so the copies both ways are right). No test measures the overlap or the memory saving.
 """
 
 from __future__ import annotations

@@ -76,8 +76,7 @@ def test_mixed_requires_grad_in_one_unit(single_rank):
         FSDP(model)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: two devices in one unit")
+@pytest.mark.gpu  # two devices in one unit: the CPU and a CUDA one
 def test_mixed_device_in_one_unit(single_rank):
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).cuda())
     with pytest.raises(ValueError, match=r"one device.*'1.weight'"):

@@ -26,10 +26,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from _dist import run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 RTOL, ATOL = 1e-4, 1e-5
 STEPS = 5

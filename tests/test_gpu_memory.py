@@ -45,10 +45,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 N_LAYERS = 8
 DIM = 1024  # a 4 MiB Linear per layer

@@ -44,10 +44,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from _dist import run_distributed
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 WORLD_SIZE = 2
 N_LAYERS = 4

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+from _cases import CaseRun
 from _dist import run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
@@ -64,29 +65,17 @@ def _train_and_measure(rank: int, world_size: int, strategy: str) -> dict:
     }
 
 
-def _both(rank: int, world_size: int) -> dict:
+def _cases_of(world_size: int):
     # One process start for both measurements; FULL_SHARD first (a fresh counter).
-    return {s: _train_and_measure(rank, world_size, s) for s in ("FULL_SHARD", "SHARD_GRAD_OP")}
+    return world_size, [(s, s) for s in ("FULL_SHARD", "SHARD_GRAD_OP")]
 
 
-_RESULTS: dict[str, object] = {}
-
-
-def _results() -> list[dict]:
-    if "all" not in _RESULTS:
-        try:
-            _RESULTS["all"] = run_distributed(_both, WORLD_SIZE, timeout=180.0)
-        except Exception as e:  # noqa: BLE001 - re-raised by each test
-            _RESULTS["all"] = e
-    res = _RESULTS["all"]
-    if isinstance(res, Exception):
-        raise res
-    return res
+# pg_timeout: run_distributed's default collective timeout (CaseRun's is 30 s).
+MEASUREMENTS = CaseRun(_train_and_measure, _cases_of, timeout=180.0, pg_timeout=60.0)
 
 
 def test_peak_unsharded_bytes_bounded_by_limit():
-    for rank, res in enumerate(_results()):
-        r = res["FULL_SHARD"]
+    for rank, r in enumerate(MEASUREMENTS.results(WORLD_SIZE, "FULL_SHARD")):
         assert r["n_units"] == N_LAYERS + 1, f"rank {rank}: expected {N_LAYERS + 1} units, got {r['n_units']}"
         largest = max(r["unit_nbytes"])
         bound = (DEFAULT_LIMIT + 1) * largest
@@ -105,8 +94,7 @@ def test_peak_unsharded_bytes_bounded_by_limit():
 
 
 def test_counter_sees_every_unit():
-    for rank, res in enumerate(_results()):
-        r = res["SHARD_GRAD_OP"]
+    for rank, r in enumerate(MEASUREMENTS.results(WORLD_SIZE, "SHARD_GRAD_OP")):
         total = sum(r["unit_nbytes"])
         largest = max(r["unit_nbytes"])
         assert total > (DEFAULT_LIMIT + 1) * largest, "the model is too small for the bound to mean anything"

@@ -30,14 +30,10 @@ argument errors at wrap time.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import tempfile
-import time
-import traceback
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
@@ -46,7 +42,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import check_same_outcome, run_distributed
+from _cases import CaseRun
+from _dist import run_distributed
 from models import GPT, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 STEPS = 5
@@ -224,58 +221,40 @@ def _compare(a: dict, b: dict, tol: float) -> tuple[float, list[str]]:
     return worst, problems
 
 
-def _run_configs(rank, world_size, configs) -> dict:
+def _hybrid_groups(rank, world_size, cases):
+    """Once per run: HYBRID_SHARD's (shard group, replicate group) at world size 4, else None."""
     warnings.filterwarnings("ignore")
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=3 * PG_TIMEOUT_S))
     half = world_size // HYBRID_REPLICAS
     hybrid_groups = None
     if world_size == 4:
         shard_groups = [dist.new_group(list(range(g * half, (g + 1) * half))) for g in range(2)]
         replicate_groups = [dist.new_group([r, r + half]) for r in range(half)]
         hybrid_groups = (shard_groups[rank // half], replicate_groups[rank % half])
-    out = {}
-    for cfg in configs:
-        start = time.perf_counter()
-        error, result = None, {}
-        try:
-            if cfg["oracle"] == "torch":
-                torch_run = _train(rank, world_size, "torch", cfg, hybrid_groups, mixed=True)
-            else:
-                torch_run = _train(rank, world_size, "flatshard", {**cfg, "ac": False}, hybrid_groups, mixed=True)
-            ours = _train(rank, world_size, "flatshard", cfg, hybrid_groups, mixed=True)
-            fp32 = _train(rank, world_size, "flatshard", cfg, hybrid_groups, mixed=False)
-            worst, problems = _compare(ours, torch_run, TOL)
-            if ours["grad_dtypes"] != torch_run["grad_dtypes"]:
-                problems.append(f".grad dtypes {ours['grad_dtypes']} vs torch's {torch_run['grad_dtypes']}")
-            la, lf = torch.tensor(ours["losses"]), torch.tensor(fp32["losses"])
-            result = {"problems": problems, "vs_torch": worst,
-                      "bf16_vs_fp32": ((la - lf).abs() / lf.abs()).max().item()}
-        except Exception:  # noqa: BLE001 - reported by this config's test
-            error = traceback.format_exc()
-            print(error, flush=True)
-        gc.collect()
-        out[cfg["name"]] = {"error": error, **result, "seconds": time.perf_counter() - start}
-        check_same_outcome(f"config {cfg['name']!r}", error, control)
-    return out
+    return hybrid_groups
+
+
+def _run_config(rank, world_size, cfg, hybrid_groups) -> dict:
+    """The config trained with torch (or its oracle), with flatshard, and with flatshard in fp32."""
+    if cfg["oracle"] == "torch":
+        torch_run = _train(rank, world_size, "torch", cfg, hybrid_groups, mixed=True)
+    else:
+        torch_run = _train(rank, world_size, "flatshard", {**cfg, "ac": False}, hybrid_groups, mixed=True)
+    ours = _train(rank, world_size, "flatshard", cfg, hybrid_groups, mixed=True)
+    fp32 = _train(rank, world_size, "flatshard", cfg, hybrid_groups, mixed=False)
+    worst, problems = _compare(ours, torch_run, TOL)
+    if ours["grad_dtypes"] != torch_run["grad_dtypes"]:
+        problems.append(f".grad dtypes {ours['grad_dtypes']} vs torch's {torch_run['grad_dtypes']}")
+    la, lf = torch.tensor(ours["losses"]), torch.tensor(fp32["losses"])
+    return {"problems": problems, "vs_torch": worst, "bf16_vs_fp32": ((la - lf).abs() / lf.abs()).max().item()}
 
 
 # ------------------------------------------------------------- test side
 
-_RESULTS: dict[int, object] = {}
+def _cases_of(world_size: int):
+    return world_size, [(c["name"], c) for c in CONFIGS[world_size]]
 
 
-def _results(world_size: int):
-    if world_size not in _RESULTS:
-        try:
-            _RESULTS[world_size] = run_distributed(
-                _run_configs, world_size, CONFIGS[world_size], timeout=400.0, pg_timeout=PG_TIMEOUT_S
-            )
-        except Exception as e:  # noqa: BLE001 - re-raised by each test
-            _RESULTS[world_size] = e
-    res = _RESULTS[world_size]
-    if isinstance(res, Exception):
-        raise res
-    return res
+RUNS = CaseRun(_run_config, _cases_of, setup=_hybrid_groups, timeout=400.0, pg_timeout=PG_TIMEOUT_S)
 
 
 @pytest.mark.parametrize(
@@ -284,12 +263,9 @@ def _results(world_size: int):
 )
 def test_same_losses_as_torch_fsdp1(world_size, name):
     msgs = []
-    for rank, res in enumerate(_results(world_size)):
-        r = res[name]
-        print(f"rank {rank}: vs torch {r.get('vs_torch')}, bf16 vs fp32 {r.get('bf16_vs_fp32')}")
-        if r["error"]:
-            msgs.append(f"rank {rank}: {r['error'].rstrip()}")
-        elif r["problems"]:
+    for rank, r in enumerate(RUNS.results(world_size, name)):
+        print(f"rank {rank}: vs torch {r['vs_torch']}, bf16 vs fp32 {r['bf16_vs_fp32']}")
+        if r["problems"]:
             msgs.append(f"rank {rank}:\n  " + "\n  ".join(r["problems"]))
         elif r["bf16_vs_fp32"] < MIN_BF16_EFFECT:
             msgs.append(f"rank {rank}: bf16 and fp32 runs differ by only {r['bf16_vs_fp32']:.1e}: mixed "

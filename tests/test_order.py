@@ -35,30 +35,26 @@ created in its pre-forward) before the output node of ``blocks.(i-1)`` (created
 earlier), so "before ``grad_ready blocks.(i-1)``" means "issued ahead of that unit's
 own pre-backward", i.e. prefetched.
 
-All scenarios run in one ``run_distributed`` call (one process start, see
-[Note: One process start per world size] in test_strategies.py); each test reads
-the events of its scenario. The prefetch checks were validated against torch's FSDP1
-(its ``c10d::allgather_`` / ``c10d::_reduce_scatter_base_`` ranges mapped to unit names
-by order): it passes the BACKWARD_PRE, backward_prefetch=None, forward-prefetch (on and
-off) and gathered-once checks, and fails the BACKWARD_POST one on the CPU, where its
-post-backward hook fires only after the next unit's pre-backward gathered it, so its
-BACKWARD_POST prefetch never happens there. no_sync and limiter checks are
-flatshard's semantics (torch re-gathers FULL_SHARD parameters in a no_sync backward).
+All scenarios run in one process start (see [Note: One process start per world size]
+in tests/_cases.py); each test reads the events of its scenario. The prefetch checks
+were validated against torch's FSDP1 (its ``c10d::allgather_`` /
+``c10d::_reduce_scatter_base_`` ranges mapped to unit names by order): it passes the
+BACKWARD_PRE, backward_prefetch=None, forward-prefetch (on and off) and gathered-once
+checks, and fails the BACKWARD_POST one on the CPU, where its post-backward hook fires
+only after the next unit's pre-backward gathered it, so its BACKWARD_POST prefetch
+never happens there. no_sync and limiter checks are flatshard's semantics (torch
+re-gathers FULL_SHARD parameters in a no_sync backward).
 """
 
 from __future__ import annotations
 
-import gc
 import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import check_same_outcome, run_distributed
+from _cases import CaseRun
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 WORLD_SIZE = 2
@@ -109,9 +105,13 @@ def _phase(name: str, fn):
         return fn()
 
 
-def _profile_one(rank, world_size, FSDP, scenario) -> dict:
+def _profile_one(rank, world_size, scenario) -> dict:
+    """The flatshard and test ranges of the second iteration of ``scenario``, and the
+    limiter's stall count around it."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.profiler import ProfilerActivity, profile
+
+    from flatshard import FullyShardedDataParallel as FSDP
 
     tokens, targets = local_slice(make_batch(), rank, world_size)
     old_env = os.environ.get("FLATSHARD_ALL_GATHER_LIMIT")
@@ -172,50 +172,18 @@ def _stalls(model):
     return None if state is None or state.root is None else int(state.root.scheduler.limiter_stalls)
 
 
-def _profile_scenarios(rank, world_size, scenarios) -> dict:
-    """Profiles every scenario; a scenario that raises is recorded and the next one
-    runs, unless the ranks ended it differently (see test_strategies.py)."""
-    from flatshard import FullyShardedDataParallel as FSDP
-
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=90))
-    out: dict[str, dict] = {}
-    for scenario in scenarios:
-        name = scenario["name"]
-        print(f"== scenario {name}", flush=True)
-        error = None
-        try:
-            out[name] = _profile_one(rank, world_size, FSDP, scenario)
-        except Exception:  # noqa: BLE001 - reported by the scenario's tests
-            error = traceback.format_exc()
-            out[name] = {"error": error}
-            print(error, flush=True)
-        gc.collect()
-        check_same_outcome(f"scenario {name!r}", error, control)
-    return out
-
-
 # ----------------------------------------------------------------- test side
 
-_RESULTS: dict[str, object] = {}
+def _cases_of(world_size: int):
+    return world_size, [(s["name"], s) for s in SCENARIOS]
+
+
+TRACES = CaseRun(_profile_one, _cases_of, timeout=240.0, pg_timeout=30.0)
 
 
 def _traces(scenario: str) -> list[dict]:
     """Per rank, the events of ``scenario`` (one profiling run for all, cached)."""
-    if "all" not in _RESULTS:
-        try:
-            _RESULTS["all"] = run_distributed(
-                _profile_scenarios, WORLD_SIZE, SCENARIOS, timeout=240.0, pg_timeout=30.0
-            )
-        except Exception as e:  # noqa: BLE001 - re-raised by every test
-            _RESULTS["all"] = e
-    res = _RESULTS["all"]
-    if isinstance(res, Exception):
-        raise res
-    traces = [r[scenario] for r in res]
-    for rank, t in enumerate(traces):
-        if "error" in t:
-            pytest.fail(f"scenario {scenario!r} failed on rank {rank}:\n{t['error']}")
-    return traces
+    return TRACES.results(WORLD_SIZE, scenario)
 
 
 class Trace:

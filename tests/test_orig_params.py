@@ -25,10 +25,7 @@ single-process run is the only oracle: replacing a parameter's ``.data`` between
 
 from __future__ import annotations
 
-import gc
-import traceback
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
@@ -36,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import check_same_outcome, run_distributed
+from _cases import CaseRun
+from _dist import run_distributed
 from models import ATOL, RTOL, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 STEPS = 4
@@ -170,36 +168,18 @@ def _train(rank, world_size, impl, cfg) -> dict:
     }
 
 
-def _run(rank, world_size, configs) -> dict:
+def _run_config(rank, world_size, cfg) -> dict:
+    """The config trained by each implementation it is checked against: {impl: what _train returned}."""
     warnings.filterwarnings("ignore")
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=3 * PG_TIMEOUT_S))
-    out = {}
-    for cfg in configs:
-        error, result = None, {}
-        try:
-            impls = ("torch", "flatshard", "local") if cfg["torch_oracle"] else ("flatshard", "local")
-            result = {impl: _train(rank, world_size, impl, cfg) for impl in impls}
-        except Exception:  # noqa: BLE001 - reported by this config's test
-            error = traceback.format_exc()
-        gc.collect()
-        out[cfg["name"]] = {"error": error, **result}
-        check_same_outcome(f"config {cfg['name']!r}", error, control)
-    return out
+    impls = ("torch", "flatshard", "local") if cfg["torch_oracle"] else ("flatshard", "local")
+    return {impl: _train(rank, world_size, impl, cfg) for impl in impls}
 
 
-_RESULTS: dict[int, object] = {}
+def _cases_of(world_size: int):
+    return world_size, [(c["name"], c) for c in CONFIGS[world_size]]
 
 
-def _results(world_size: int):
-    if world_size not in _RESULTS:
-        try:
-            _RESULTS[world_size] = run_distributed(_run, world_size, CONFIGS[world_size], timeout=300.0,
-                                                   pg_timeout=PG_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - re-raised by each test
-            _RESULTS[world_size] = e
-    if isinstance(_RESULTS[world_size], Exception):
-        raise _RESULTS[world_size]
-    return _RESULTS[world_size]
+RUNS = CaseRun(_run_config, _cases_of, timeout=300.0, pg_timeout=PG_TIMEOUT_S)
 
 
 @pytest.mark.parametrize(
@@ -207,9 +187,7 @@ def _results(world_size: int):
 )
 def test_same_as_torch_fsdp1_with_use_orig_params(world_size, name):
     cfg = next(c for c in CONFIGS[world_size] if c["name"] == name)
-    for rank, res in enumerate(_results(world_size)):
-        r = res[name]
-        assert r["error"] is None, f"rank {rank}: {r['error']}"
+    for rank, r in enumerate(RUNS.results(world_size, name)):
         ours, local = r["flatshard"], r["local"]
         if cfg["torch_oracle"]:
             theirs = r["torch"]

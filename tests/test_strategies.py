@@ -13,17 +13,9 @@ called twice in one forward, parameters a forward does not use, and a forward un
 ``torch.no_grad()`` with no backward after it (its loss must match the reference's,
 and afterwards nothing is unsharded).
 
-[Note: One process start per world size]
-Starting W ranks costs a fork, an import and a rendezvous each time; a test per
-configuration would pay it ~30 times. So ``_train_configs`` runs every configuration
-of one world size in ONE ``run_distributed`` call, rebuilding the model each time,
-and the per-configuration tests read its cached results (``_results``): each config
-is still its own pytest test, named after the config. A config that raises is
-recorded (the traceback goes to its test) and the next one runs; the ranks compare
-their outcomes on a separate control group after each config, and if they disagree
-(one rank raised while another may still sit in a collective, until the short
-collective timeout) the run stops with an error naming that config, because the
-default group may then be out of step across ranks.
+Every configuration of one implementation and world size runs in one process start
+(see [Note: One process start per world size] in tests/_cases.py), rebuilding the model
+each time; each is still its own test, named after the config.
 
 Every config's reference is the same script single-process on the full global batch
 (per model kind, computed once per rank process). Accumulation splits each rank's
@@ -37,11 +29,7 @@ are skipped there.
 
 from __future__ import annotations
 
-import gc
-import time
-import traceback
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
@@ -49,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import check_same_outcome, run_distributed
+from _cases import CaseRun
 from models import (
     ATOL,
     GPT,
@@ -77,9 +65,6 @@ EVAL_STEPS = (0, 5)
 HYBRID_REPLICAS = 2
 #: Seconds a collective may block before gloo raises (short: a config runs in ~1 s).
 PG_TIMEOUT_S = 30.0
-#: Seconds the ranks wait for each other on the control group after a config.
-CONTROL_TIMEOUT_S = 3 * PG_TIMEOUT_S
-
 
 
 def _cfg(name, strategy="FULL_SHARD", *, hybrid=None, bwd="PRE", fwd=False, limit=True, accum=None, edge=None):
@@ -238,10 +223,33 @@ def _first_lines(text: str, n: int = 6) -> str:
     return "\n    ".join(lines[:n] + (["..."] if len(lines) > n else []))
 
 
-def _train_one(rank, world_size, impl, cfg, hybrid_groups, mesh) -> list[str]:
-    """Trains ``cfg`` on this rank; returns the problems found (empty: parity holds)."""
+def _groups(rank, world_size, cases) -> tuple:
+    """Once per run: ``(hybrid_groups, mesh)`` for the hybrid configs among ``cases``
+    (None where no config needs one). Every rank creates every group, in the same order."""
+    warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated")
+    configs = [cfg for _, cfg in cases]
+    hybrid_groups = mesh = None
+    if any(c["hybrid"] == "tuple" for c in configs):
+        half = world_size // HYBRID_REPLICAS
+        shard_groups = [dist.new_group(list(range(g * half, (g + 1) * half))) for g in range(2)]
+        replicate_groups = [dist.new_group([r, r + half]) for r in range(half)]
+        hybrid_groups = (shard_groups[rank // half], replicate_groups[rank % half])
+    if any(c["hybrid"] == "mesh" for c in configs):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            "cpu", (HYBRID_REPLICAS, world_size // HYBRID_REPLICAS), mesh_dim_names=("replicate", "shard")
+        )
+    return hybrid_groups, mesh
+
+
+def _train_one(rank, world_size, case, groups) -> list[str]:
+    """Trains the config of ``case`` (impl, cfg) on this rank with the run's ``groups``
+    (see ``_groups``); returns the problems found (empty: parity holds)."""
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
+    impl, cfg = case
+    hybrid_groups, mesh = groups
     FSDP = fsdp_class(impl)
     problems: list[str] = []
     kind = model_kind(cfg)
@@ -355,85 +363,31 @@ def _train_one(rank, world_size, impl, cfg, hybrid_groups, mesh) -> list[str]:
     return problems
 
 
-def _train_configs(rank, world_size, impl, configs) -> dict:
-    """Runs every config on this rank; see [Note: One process start per world size].
-
-    Returns {config name: {"status": "ok" | "error", "problems": [...], "error":
-    traceback or None, "seconds": float}}.
-    """
-    warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated")
-    # Every rank creates every group, in the same order.
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
-    hybrid_groups = mesh = None
-    if any(c["hybrid"] == "tuple" for c in configs):
-        half = world_size // HYBRID_REPLICAS
-        shard_groups = [dist.new_group(list(range(g * half, (g + 1) * half))) for g in range(2)]
-        replicate_groups = [dist.new_group([r, r + half]) for r in range(half)]
-        hybrid_groups = (shard_groups[rank // half], replicate_groups[rank % half])
-    if any(c["hybrid"] == "mesh" for c in configs):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(
-            "cpu", (HYBRID_REPLICAS, world_size // HYBRID_REPLICAS), mesh_dim_names=("replicate", "shard")
-        )
-
-    out: dict[str, dict] = {}
-    for cfg in configs:
-        name = cfg["name"]
-        print(f"== config {name}", flush=True)
-        start = time.perf_counter()
-        try:
-            problems = _train_one(rank, world_size, impl, cfg, hybrid_groups, mesh)
-            status, error = "ok", None
-        except Exception:  # noqa: BLE001 - recorded, reported by this config's test
-            problems, status, error = [], "error", traceback.format_exc()
-            print(error, flush=True)
-        gc.collect()
-        out[name] = {"status": status, "problems": problems, "error": error, "seconds": time.perf_counter() - start}
-        check_same_outcome(f"config {name!r}", error, control)
-    return out
-
-
 # ------------------------------------------------------------- test side
 
-_RESULTS: dict[tuple[str, int], object] = {}
+
+def _cases_of(key):
+    impl, world_size = key
+    return world_size, [(cfg["name"], (impl, cfg)) for cfg in CONFIGS[world_size]]
 
 
-def _results(impl: str, world_size: int):
-    """The per-rank results of every config at ``world_size`` (one run, cached;
-    a failed run is cached as its exception and re-raised by every test)."""
-    key = (impl, world_size)
-    if key not in _RESULTS:
-        try:
-            _RESULTS[key] = run_distributed(
-                _train_configs, world_size, impl, CONFIGS[world_size], timeout=300.0, pg_timeout=PG_TIMEOUT_S
-            )
-        except Exception as e:  # noqa: BLE001 - re-raised by each test below
-            _RESULTS[key] = e
-    res = _RESULTS[key]
-    if isinstance(res, Exception):
-        raise res
-    return res
+RUNS = CaseRun(_train_one, _cases_of, setup=_groups, timeout=300.0, pg_timeout=PG_TIMEOUT_S)
 
 
-def _cases():
+def _params():
     for impl in IMPLS:
         for world_size, configs in CONFIGS.items():
             for cfg in configs:
                 yield pytest.param(impl, world_size, cfg["name"], id=f"{impl}-W{world_size}-{cfg['name']}")
 
 
-@pytest.mark.parametrize("impl,world_size,name", list(_cases()))
+@pytest.mark.parametrize("impl,world_size,name", list(_params()))
 def test_strategy_parity(impl, world_size, name):
     cfg = next(c for c in CONFIGS[world_size] if c["name"] == name)
-    results = _results(impl, world_size)
     msgs = []
-    for rank, res in enumerate(results):
-        r = res[name]
-        if r["status"] != "ok":
-            msgs.append(f"rank {rank}: {r['status']}: {r['error'].rstrip()}")
-        elif r["problems"]:
-            msgs.append(f"rank {rank}: {len(r['problems'])} mismatch(es):\n  " + "\n  ".join(r["problems"]))
+    for rank, problems in enumerate(RUNS.results((impl, world_size), name)):
+        if problems:
+            msgs.append(f"rank {rank}: {len(problems)} mismatch(es):\n  " + "\n  ".join(problems))
     assert not msgs, f"{impl} at world size {world_size}, config {name} = {cfg}:\n" + "\n".join(msgs)
 
 

@@ -3,8 +3,23 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/version.h>
 
 #include <optional>
+
+// [Note: c10d's names for the single-tensor collectives]
+// torch 2.13 renamed ProcessGroup::_allgather_base and _reduce_scatter_base to
+// all_gather_single and reduce_scatter_single (torchcomms' names) and marked the
+// old ones deprecated: they remain as aliases that call the new ones, and a
+// build that uses them warns. torch 2.11 (the GPU machine's) has only the old
+// names. So the name is chosen here, once, from the version of the torch being
+// compiled against; the two call the same c10d op (_allgather_base_,
+// _reduce_scatter_base_), so behaviour is the same either way.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#define FLATSHARD_C10D_SINGLE_NAMES 1
+#else
+#define FLATSHARD_C10D_SINGLE_NAMES 0
+#endif
 
 namespace flatshard {
 
@@ -40,6 +55,24 @@ CommWork track_work(c10::intrusive_ptr<c10d::Work> work) {
 
 CommWork track_future(c10::intrusive_ptr<c10::ivalue::Future> future) {
   return CommWork([future]() { future->waitAndThrow(); }, [future]() { return future->completed(); });
+}
+
+// See [Note: c10d's names for the single-tensor collectives].
+c10::intrusive_ptr<c10d::Work> all_gather_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input) {
+#if FLATSHARD_C10D_SINGLE_NAMES
+  return group.all_gather_single(output, input);
+#else
+  return group._allgather_base(output, input);
+#endif
+}
+
+c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, at::Tensor& output,
+                                                     at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+#if FLATSHARD_C10D_SINGLE_NAMES
+  return group.reduce_scatter_single(output, input, opts);
+#else
+  return group._reduce_scatter_base(output, input, opts);
+#endif
 }
 
 }  // namespace
@@ -80,7 +113,7 @@ bool Collectives::holds_reduce_scatter_input(const c10::Device& device) const { 
 
 CommWork Collectives::all_gather(at::Tensor& output, at::Tensor& input) {
   TORCH_INTERNAL_ASSERT(output.numel() == input.numel() * size());
-  auto work = impl_->group->_allgather_base(output, input);
+  auto work = all_gather_single(*impl_->group, output, input);
   return is_cpu_gloo(output.device()) ? track_future(work->getFuture()) : track_work(std::move(work));
 }
 
@@ -107,7 +140,7 @@ CommWork Collectives::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) 
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  return track_work(impl_->group->_reduce_scatter_base(output, input, opts));
+  return track_work(reduce_scatter_single(*impl_->group, output, input, opts));
 }
 
 CommWork Collectives::all_reduce_sum(at::Tensor& tensor) {
