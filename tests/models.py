@@ -341,12 +341,25 @@ class Padded(nn.Module):
         return self.odd(self.lin(x))
 
 
+class Checkpointed(PlainParent):
+    """(e) As ``PlainParent``, with activation checkpointing applied by hand before wrapping: the nested
+    unit ``body.inner`` sits inside torch's checkpoint wrapper (its paths hold
+    ``_checkpoint_wrapped_module``, which torch's FSDP1 drops from state-dict keys)."""
+
+    def __init__(self):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        super().__init__()
+        self.body.inner = checkpoint_wrapper(self.body.inner)
+
+
 #: name -> (model class, the module classes each wrapped as its own unit by ModuleWrapPolicy)
 SHAPES = {
     "root_param": (RootParam, (nn.Linear,)),
     "leaf_units": (LeafUnits, (nn.Linear,)),
     "plain_parent": (PlainParent, (nn.Linear, Inner)),
     "padded": (Padded, (nn.Linear, Odd)),
+    "checkpointed": (Checkpointed, (nn.Linear, Inner)),
 }
 
 

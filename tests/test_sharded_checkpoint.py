@@ -177,7 +177,9 @@ def test_local_state_dict_refuses_another_wrapping(tmp_path):
 
 
 def _held_and_saved(rank, world_size, path):
-    """What this rank holds (each DTensor's local chunk and its offset; every plain value), and the save."""
+    """What this rank holds (each ShardedTensor's or DTensor's local chunk and its offset; every plain value),
+    and the save."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
     from flatshard.checkpoint import get_state_dict
@@ -193,6 +195,10 @@ def _held_and_saved(rank, world_size, path):
         if isinstance(value, dict):
             for k, v in value.items():
                 walk(f"{prefix}.{k}", v)
+        elif isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                held[prefix] = ("chunk", tuple(value.size()), tuple(shard.metadata.shard_offsets),
+                                shard.tensor.clone())
         elif isinstance(value, DTensor):
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -294,17 +300,19 @@ def test_sharded_checkpoint_interchangeable_with_torch_fsdp1(saver, loader, tmp_
 
 
 def _older_sharded_pair(rank, world_size):
-    from torch.distributed.tensor import DTensor
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from flatshard._sharded_state_dict import to_full
 
     FSDP, model, opt = _build()
     _train(model, opt, range(2), rank, world_size)
     sharded = FSDP.sharded_optim_state_dict(model, opt)
     moments = [v for per_param in sharded["state"].values() for k, v in per_param.items() if k == "exp_avg"]
-    assert moments and all(isinstance(v, DTensor) for v in moments)
+    assert moments and all(isinstance(v, ShardedTensor) for v in moments)  # as torch's, without a device_mesh
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         full = FSDP.optim_state_dict(model, opt)
     for name, per_param in sharded["state"].items():  # the same values as the FULL dict
-        torch.testing.assert_close(per_param["exp_avg"].full_tensor(), full["state"][name]["exp_avg"].to(
+        torch.testing.assert_close(to_full({0: per_param["exp_avg"]})[0], full["state"][name]["exp_avg"].to(
             per_param["exp_avg"].dtype), rtol=0, atol=0)
     before = {k: {kk: vv.clone() if torch.is_tensor(vv) else vv for kk, vv in v.items()}
               for k, v in opt.state_dict()["state"].items()}

@@ -125,9 +125,11 @@ def _interchange(rank, world_size, case, path_root):
     else:
         path = os.path.join(path_root, f"{shape}-{use_orig_params}-{writer}")
         with W.state_dict_type(written, sd_type):
-            dcp.save(written.state_dict(), checkpoint_id=path)
+            saved = written.state_dict()
+            dcp.save(saved, checkpoint_id=path)
         with R.state_dict_type(loaded, sd_type):
             state = loaded.state_dict()
+            assert list(state) == list(saved), f"SHARDED keys: {reader} {list(state)} != {writer} {list(saved)}"
             dcp.load(state, checkpoint_id=path)
             result = loaded.load_state_dict(state, strict=True)
     assert not result.missing_keys and not result.unexpected_keys, result

@@ -5,7 +5,9 @@ single-process run's on the same global batch) and, with ``writeback``, writes e
 it back; ``rank0_only=True`` shows full parameters on the first rank only (the others keep
 their sharded state) and, unlike torch's FSDP1 which refuses it, also writes back the first
 rank's edits to every rank; ``offload_to_cpu=True`` shows them on the host; the sharded
-state comes back after the context. See [Note: Summoning] in _full_params.py.
+state comes back after the context. See [Note: Summoning] in _full_params.py. The
+combinations torch's FSDP1 refuses go through ``flatshard.summon_full_params``;
+``FSDP.summon_full_params`` refuses them as torch does (tests/test_torch_conformance.py).
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ def _reference_grads() -> dict:
 
 
 def _options(rank, world_size, use_orig_params) -> dict:
+    import flatshard
     from flatshard import FullyShardedDataParallel as FSDP
 
     model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
     gpt_loss(model, *local_slice(make_batch(), rank, world_size)).backward()
     want = _reference_grads()
     out = {}
-    with FSDP.summon_full_params(model, with_grads=True, offload_to_cpu=True):
+    with flatshard.summon_full_params(model, with_grads=True, offload_to_cpu=True):
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         out["devices"] = sorted({p.device.type for p in model.parameters()})
     assert set(grads) == set(want), sorted(set(grads) ^ set(want))
@@ -39,7 +42,7 @@ def _options(rank, world_size, use_orig_params) -> dict:
         torch.testing.assert_close(grads[n], g, rtol=RTOL, atol=ATOL, msg=f"full gradient of '{n}'")
     # writeback with_grads: doubling the full gradients doubles every rank's shards.
     before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    with FSDP.summon_full_params(model, with_grads=True):
+    with flatshard.summon_full_params(model, with_grads=True):
         for p in model.parameters():
             p.grad.mul_(2)
     after = [p.grad for p in model.parameters() if p.grad is not None]
@@ -51,7 +54,7 @@ def _options(rank, world_size, use_orig_params) -> dict:
         out["rank0_only_names"] = sorted(n for n, _ in model.named_parameters())[:3]
         out["ln_f_shape"] = [tuple(p.shape) for n, p in model.named_parameters() if n == "ln_f.weight"]
     # rank0_only with writeback: rank 0's edit reaches every rank.
-    with FSDP.summon_full_params(model, rank0_only=True, writeback=True):
+    with flatshard.summon_full_params(model, rank0_only=True, writeback=True):
         if rank == 0:
             with torch.no_grad():
                 model.module.ln_f.weight.fill_(3.0)

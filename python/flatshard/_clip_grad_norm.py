@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,8 +25,8 @@ def clip_grad_norm(unit: FullyShardedDataParallel, max_norm: float | int, norm_t
         lazy_init(unit)
     if not top.is_root:
         raise RuntimeError(
-            f"FullyShardedDataParallel.clip_grad_norm_: expected the root unit but '{top.name}' "
-            f"is nested; call it on the outermost FSDP module."
+            f"`clip_grad_norm_()` should only be called on the root FSDP instance: unit '{top.name}' is nested; "
+            f"call it on the outermost FSDP module."
         )
     root = top.root
     _rank_guard.check(root, "clip_grad_norm_()")
@@ -44,6 +45,9 @@ def clip_grad_norm(unit: FullyShardedDataParallel, max_norm: float | int, norm_t
             (replicated if s.handle.is_replicated else sharded).append(s.flat_param.grad)
     replicated += [p.grad for p in unit.parameters() if id(p) not in managed and p.grad is not None]
     grads = sharded + replicated
+    if not grads and root.sharded_handles:  # as torch's FSDP1 (frameworks filter on this text)
+        warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {top.rank} with no gradients -- returning the total "
+                      f"norm in the default dtype {torch.float32}", stacklevel=3)
     dtype = grads[0].dtype if grads else torch.float32
     for g in grads[1:]:
         dtype = torch.promote_types(dtype, g.dtype)

@@ -15,6 +15,8 @@ from flatshard.api import ShardingStrategy
 logger = logging.getLogger("flatshard")
 
 WRAPPED = "_fsdp_wrapped_module"
+# torch's activation-checkpoint wrapper's child (torch.distributed.algorithms._checkpoint).
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 FLAT_PARAM = "_flat_param"
 # Set on an original parameter once a unit owns it: (unit name, parameter name).
 OWNER_ATTR = "_flatshard_owner"
@@ -32,14 +34,23 @@ class UsageError(RuntimeError, AssertionError):
 
 
 def clean_name(name: str) -> str:
-    """A name without the wrappers' ``_fsdp_wrapped_module`` parts: the original module's.
+    """A name without the wrappers' parts (``_fsdp_wrapped_module``, and the activation-checkpoint
+    wrapper's ``_checkpoint_wrapped_module``, as torch's FSDP1 cleans them): the original module's.
 
     Component by component: the path of a wrapped module itself ends in the wrapper's
     name (``lin._fsdp_wrapped_module``), and its parameters' keys are that path's.
     """
-    if WRAPPED not in name:
+    if WRAPPED not in name and CHECKPOINT_WRAPPED not in name:
         return name
-    return ".".join(part for part in name.split(".") if part != WRAPPED)
+    return ".".join(part for part in name.split(".") if part != WRAPPED and part != CHECKPOINT_WRAPPED)
+
+
+def without_checkpoint_wrappers(name: str) -> str:
+    """``name`` without the activation-checkpoint wrapper's parts only: the key ``nn.Module``'s loading
+    must see, since each checkpoint wrapper's own pre-load hook puts its part back in."""
+    if CHECKPOINT_WRAPPED not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != CHECKPOINT_WRAPPED)
 
 
 def join(prefix: str, name: str) -> str:

@@ -123,10 +123,9 @@ def split_ignored_states(
     ``ignored_modules``). Returns (ignored modules, ignored parameters)."""
     if ignored_states is None:
         return ignored_modules, set()
-    if ignored_modules is not None:
+    if ignored_modules is not None:  # (torch's message)
         raise ValueError(
-            "FullyShardedDataParallel: expected ignored_modules or ignored_states but got both; pass the "
-            "modules in one of them."
+            "Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states."
         )
     states = list(ignored_states)
     if all(isinstance(s, nn.Parameter) for s in states):
@@ -134,8 +133,8 @@ def split_ignored_states(
     if all(isinstance(s, nn.Module) for s in states):
         return states, set()
     raise ValueError(
-        f"FullyShardedDataParallel: ignored_states: expected all nn.Parameter or all nn.Module but got "
-        f"{sorted({type(s).__name__ for s in states})}"
+        f"ignored_states expects all nn.Parameter or all nn.Module list elements but got types "
+        f"{sorted({type(s) for s in states}, key=repr)}"
     )
 
 
@@ -143,18 +142,20 @@ def expand_ignored(ignored_modules: Iterable[nn.Module] | None, root: nn.Module)
     if ignored_modules is None:
         return set()
     out: set[nn.Module] = set()
+    ignored_modules = list(ignored_modules)
+    if not all(isinstance(m, nn.Module) for m in ignored_modules):  # (torch's message)
+        raise ValueError(f"ignored_modules expects nn.Module list elements but got types "
+                         f"{sorted({type(m) for m in ignored_modules}, key=repr)}")
     for m in ignored_modules:
-        if not isinstance(m, nn.Module):
-            raise ValueError(f"ignored_modules: expected nn.Module instances but got {m!r}")
         if is_unit(m):
-            raise ValueError("ignored_modules: expected plain modules but got an FSDP unit")
+            raise ValueError("`ignored_modules` should not include FSDP modules: pass the plain modules to ignore.")
         out.update(m.modules())
     if root in out:
         # As torch: allowed, with a warning; the unit then owns no parameter (nothing is sharded).
         warnings.warn(
-            "FullyShardedDataParallel: ignored_modules contains the module being wrapped itself: every "
-            "parameter of it is ignored (left unsharded on every rank, as plain module state). Ignore its "
-            "submodules instead, or do not wrap it.",
+            f"Trying to ignore the top-level module passed into the FSDP constructor itself will result in all "
+            f"parameters being ignored and is not well-supported: {type(root).__name__}. Every parameter of it is "
+            f"left unsharded on every rank, as plain module state: ignore its submodules instead, or do not wrap it.",
             stacklevel=3,
         )
     return out
@@ -169,8 +170,9 @@ def parent_slots(root: nn.Module) -> dict[nn.Module, tuple[nn.Module, str]]:
 
 
 def unit_modules(module: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module]]:
-    """(relative name, module) for the modules a unit owns: its subtree minus inner units and ignored ones."""
-    if module in ignored:
+    """(relative name, module) for the modules a unit owns: its subtree minus inner units and ignored ones
+    (nothing when the wrapped module is itself a unit: ``FSDP(FSDP(m))``)."""
+    if module in ignored or is_unit(module):
         return
     stack = [("", module)]
     seen: set[int] = set()
@@ -288,6 +290,11 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
     flat = nn.Parameter(s.handle.local_shard, requires_grad=any(p.requires_grad for p in params))
     s.handle.set_local_shard(flat)
     s.flat_param = flat
+    # torch's marks (see [Note: The handle] in _torch_attributes.py): flattened, and the names in it.
+    flat._fsdp_flattened = True
+    flat._fqns = list(local_names)
+    for p in params:
+        p._fsdp_flattened = True
     if s.use_orig_params:  # see [Note: Original parameters] in _orig_params.py
         unit.__dict__[FLAT_PARAM] = flat
         s.frozen_indices = [i for i, p in enumerate(params) if not p.requires_grad] if flat.requires_grad else []

@@ -36,9 +36,11 @@ def summon_full_params(
     offload_to_cpu: bool = False,
     with_grads: bool = False,
     guard_phase: str | None = "summon_full_params()",
+    beyond_torch: bool = True,
 ) -> Iterator[None]:
     """See ``FullyShardedDataParallel.summon_full_params`` and [Note: Summoning]. ``guard_phase``: how
-    the rank-divergence guard names the call (None: the caller ran the guard)."""
+    the rank-divergence guard names the call (None: the caller ran the guard). ``beyond_torch``: allow
+    the combinations torch's FSDP1 refuses (see ``check_as_torch``)."""
     tops = [module] if is_unit(module) else fsdp_modules(module, root_only=True)
     for top in tops:
         if top._unit_state.is_root is None:
@@ -47,9 +49,12 @@ def summon_full_params(
     units = [u for u in (fsdp_modules(module) if recurse else tops) if u._unit_state.training_state is not SUMMONING]
     if in_backward() or any(root.in_forward_call for root in roots):
         raise UsageError(
-            "summon_full_params: called during forward or backward; call it between iterations (or before "
-            "the forward whose parameters it should show)."
+            "Cannot manually unshard parameters during forward/backward: summon_full_params was called during "
+            "forward or backward; call it between iterations (or before the forward whose parameters it should "
+            "show)."
         )
+    if not beyond_torch:
+        check_as_torch(units, writeback, rank0_only, offload_to_cpu, with_grads)
     if guard_phase is not None and any(u._unit_state.handle is not None and not u._unit_state.handle.is_replicated
                                        for u in units):
         for root in roots:
@@ -68,6 +73,24 @@ def summon_full_params(
             _hide_full_params(summoned, options)
 
 
+def check_as_torch(units: list[FullyShardedDataParallel], writeback: bool, rank0_only: bool, offload_to_cpu: bool,
+                   with_grads: bool) -> None:
+    """What ``FullyShardedDataParallel.summon_full_params`` (torch's name) refuses, as torch's FSDP1 refuses
+    it and with its messages; ``flatshard.summon_full_params`` does all of these (see [Note: Summoning])."""
+    hint = " (torch's FSDP1 refuses it; flatshard.summon_full_params, with the same arguments, supports it)"
+    for unit in units:
+        s = unit._unit_state
+        if s.handle is None:
+            continue
+        if with_grads and (offload_to_cpu or not s.use_orig_params):
+            raise NotImplementedError(f"with_grads={with_grads}, use_orig_params={s.use_orig_params}, "
+                                      f"offload_to_cpu={offload_to_cpu} is not supported yet{hint}")
+        if offload_to_cpu and s.replicated:
+            raise NotImplementedError(f"offload_to_cpu=True and NO_SHARD is not supported yet{hint}")
+    if rank0_only and writeback:
+        raise NotImplementedError(f"writeback=True and rank0_only=True is not supported yet{hint}")
+
+
 # [Note: Summoning]
 # Each unit's full flat parameter, in full precision, is made once ("the full
 # buffer"): the gathered buffer itself when the unit computes in its shard's
@@ -84,7 +107,12 @@ def summon_full_params(
 #   in the collectives and keep their sharded state;
 # - writeback: on exit each rank copies its part of the full buffer (and
 #   gradient) back into its shard; with rank0_only the first rank's buffers
-#   are broadcast first (torch FSDP1 refuses that combination).
+#   are broadcast first.
+# torch's FSDP1 refuses three of these combinations (rank0_only with writeback,
+# offload_to_cpu with a NO_SHARD unit, with_grads with use_orig_params=False or
+# offload_to_cpu): FullyShardedDataParallel.summon_full_params, torch's name,
+# refuses them as torch does (check_as_torch); flatshard.summon_full_params is the
+# same context without that check, the explicit opt-in to them.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +192,10 @@ def _gather_full_grad(s: UnitState) -> torch.Tensor | None:
         dist.all_reduce(any_grad, op=dist.ReduceOp.MAX, group=s.process_group)
     if not any_grad.item():
         return None
+    if handle.is_replicated and local is not None and local.device == s.device and local.dtype == flat.dtype:
+        # The gradient itself, as the parameters are the shard itself: edits stay, writeback or not (as torch's
+        # NO_SHARD).
+        return local.detach()
     local = (torch.zeros_like(flat) if local is None else local.detach()).to(s.device, flat.dtype)
     if handle.is_replicated:
         return local.clone()

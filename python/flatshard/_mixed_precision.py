@@ -72,8 +72,9 @@ def check_cpu_offload(cpu_offload: Any) -> bool:
 def flat_param_dtypes(
     mixed_precision: MixedPrecision | None, orig: torch.dtype, replicated: bool, offload: bool, unit_name: str
 ) -> dict[str, torch.dtype | None]:
-    """``param_dtype``, ``reduce_dtype`` and ``grad_dtype`` for ``_C.FlatParam``: each only where it
-    differs from the parameters' own dtype (None: theirs)."""
+    """``param_dtype``, ``reduce_dtype`` and ``grad_dtype`` for ``_C.FlatParam``: each one the mixed
+    precision names, also where it equals the parameters' own dtype (so that it stays when the shard is
+    cast later, e.g. accelerate's fp32 upcast of a bf16 model); None: the shard's dtype, whatever it is."""
     none = {"param_dtype": None, "reduce_dtype": None, "grad_dtype": None}
     if mixed_precision is None or not (mixed_precision.param_dtype or mixed_precision.reduce_dtype):
         return none
@@ -83,15 +84,13 @@ def flat_param_dtypes(
             f"mixed_precision cannot cast. Put the modules holding them in ignored_modules, or wrap them in a "
             f"unit of their own with mixed_precision=None."
         )
-    param = mixed_precision.param_dtype or orig
-    reduce = mixed_precision.reduce_dtype or mixed_precision.param_dtype or orig
+    param = mixed_precision.param_dtype
+    reduce = mixed_precision.reduce_dtype or mixed_precision.param_dtype
     grad = None
     if mixed_precision.keep_low_precision_grads:
         # As torch: a NO_SHARD unit keeps its reduced gradient as it is (its dtype), others param_dtype.
-        low = reduce if replicated and not offload else param
-        grad = low if low != orig else None
-    return {"param_dtype": param if param != orig else None, "reduce_dtype": reduce if reduce != orig else None,
-            "grad_dtype": grad}
+        grad = (reduce if replicated and not offload else param) or orig
+    return {"param_dtype": param, "reduce_dtype": reduce, "grad_dtype": grad}
 
 
 def gradient_divide_factors(data_parallel_world_size: int) -> tuple[float, float]:

@@ -19,13 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch.distributed.tensor import DTensor
 
 from flatshard import _rank_guard
 from flatshard._common import check_between_iterations, clean_name, fsdp_modules, is_unit, join
 from flatshard._profiling import collective_range
 from flatshard._runtime import lazy_init
-from flatshard._sharded_state_dict import is_sharded, to_dtensor, to_full
+from flatshard._sharded_state_dict import is_sharded, to_full, to_sharded, uses_dtensor
 from flatshard.api import StateDictType
 
 if TYPE_CHECKING:
@@ -79,12 +78,13 @@ def optim_state_dict(
             for name, per_param in full.items():
                 if not per_param:
                     continue
-                if name in shape_of:  # SHARDED: per-element state as DTensors ([Note: Sharded state dicts])
-                    per_param = {k: to_dtensor(v, entry.unit, offload_to_cpu)
+                if name in shape_of:  # SHARDED: per-element state cut as the parameters ([Note: Sharded state dicts])
+                    use_dtensor = uses_dtensor(entry.unit, config)
+                    per_param = {k: to_sharded(v, entry.unit, use_dtensor, offload_to_cpu)
                                  if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == shape_of[name] else v
                                  for k, v in per_param.items()}
                 state[name] = {
-                    k: v if isinstance(v, DTensor) or not isinstance(v, torch.Tensor)
+                    k: v if is_sharded(v) or not isinstance(v, torch.Tensor)
                     else (v.detach().clone().cpu() if offload_to_cpu else v.detach().clone())
                     for k, v in per_param.items()
                 }

@@ -188,12 +188,28 @@ class RankGuard:
         return f"{phase} after {self.forwards} forwards"
 
     def _model_fingerprint(self, root: RootState) -> tuple[list[int], list[Any]]:
+        """The hash of what decides the units' collectives, in unit order (see [Note: What the guard hashes]),
+        and the readable description of the units for the error (which names them too)."""
         if self._model is None:
             description = [_describe_unit(u._unit_state) for u in root.units]
-            digest = hashlib.blake2b(repr(description).encode(), digest_size=16).digest()
+            layouts = [{k: d.get(k) for k in _LAYOUT_KEYS} for d in description]
+            digest = hashlib.blake2b(repr(layouts).encode(), digest_size=16).digest()
             words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
             self._model = (words, description)
         return self._model
+
+
+# [Note: What the guard hashes]
+# Collectives pair up by the units' order and their flat parameters' layouts, not by
+# names: ranks may hold different ignored modules (their parameters are never
+# flattened, so no collective touches them) and so name the same unit's parameters
+# differently (torch's FSDP1 accepts that, and so must the guard: its
+# test_diff_ignored_modules_across_ranks). So the model's hash covers, unit by unit in
+# the root's order, the number of units and each unit's strategy, shard factor, dtype,
+# shapes (in flat order), mixed precision, offload and use_orig_params; the unit's
+# name and its parameters' names are in the description only, to say which unit
+# differs. Layout keys are named first when explaining a difference.
+_LAYOUT_KEYS = ("strategy", "shapes", "dtype", "shard_factor", "mixed_precision", "cpu_offload", "use_orig_params")
 
 
 def _describe_unit(s: UnitState) -> dict[str, Any]:
@@ -257,8 +273,7 @@ def _explain_models(ranks: list[int], models: list[list[dict[str, Any]]]) -> str
             "same number of blocks).")
     for i in range(len(models[0])):
         units = [m[i] for m in models]
-        for key in ("unit", "strategy", "parameters", "shapes", "dtype", "shard_factor", "mixed_precision",
-                    "cpu_offload", "use_orig_params"):
+        for key in (*_LAYOUT_KEYS, "unit", "parameters"):
             groups = _split(ranks, [u.get(key) for u in units])
             if len(groups) > 1:
                 return (f"FSDP unit {i} ('{units[0]['unit']}' on rank {ranks[0]}) differs in {key}: " + " while ".join(

@@ -89,16 +89,31 @@ PRE_BACKWARD, POST_BACKWARD, SUMMONING = TrainingState.PRE_BACKWARD, TrainingSta
 
 
 def lazy_init(root: FullyShardedDataParallel) -> None:
-    """Makes ``root`` the root of every unit below it: one RootState, one scheduler (see [Note: Unit state])."""
+    """Makes ``root`` the root of every unit below it: one RootState, one scheduler (see [Note: Unit state]).
+
+    A unit that another root initialized as one of its own (a model wrapped again, e.g. for
+    inference after training, as torch's FSDP1 allows) is taken over, between iterations; a unit
+    that ran as a root itself cannot be nested afterwards (as torch's)."""
     units = []
     for name, m in root.named_modules():
         if is_unit(m):
-            if m._unit_state.is_root is not None:
+            s = m._unit_state
+            if m is not root and s.is_root:
                 raise RuntimeError(
-                    f"FullyShardedDataParallel: unit '{clean_name(name)}' ran forward on its own "
-                    f"before its root; call the outermost FSDP module's forward."
+                    f"Non-root FSDP instance's `_is_root` should not have been set yet or should have been set to "
+                    f"`False`: unit '{clean_name(name)}' ran as a root (its forward was called) before this outer "
+                    f"FSDP module wrapped it; call only the outermost FSDP module's forward."
+                )
+            if s.root is not None and s.root is not root._unit_state.root and s.root.final_callback_queued:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: unit '{clean_name(name)}' is in a backward of another root; wrap "
+                    f"it again between iterations."
                 )
             units.append((clean_name(name), m))
+    for _, m in units:
+        previous = m._unit_state.root
+        if previous is not None and previous.unit is not root:
+            previous.taken_over = True  # its root rebuilds itself at its next forward
     top = root._unit_state
     for name, unit in units:
         s = unit._unit_state
@@ -202,6 +217,20 @@ def set_views(state: UnitState, views, placeholders: bool = False) -> None:
         m.__dict__[attr] = views[index]
 
 
+def after_shard_cast(state: UnitState) -> None:
+    """The unit's shard changed dtype between iterations (``model.half()``, or its ``.data`` replaced):
+    the runtime's buffers, views and the guard's description follow it."""
+    state.handle.after_shard_cast()
+    state.storage_changed()
+    if state.root is not None and state.root.guard is not None:
+        state.root.guard.model_changed()
+    if state.use_orig_params:
+        _orig_params.use_sharded_views(state)
+        _orig_params.use_grad_views(state)
+    else:
+        set_views(state, state.placeholders, placeholders=True)
+
+
 def reshard(state: UnitState) -> None:
     """Frees the unsharded buffer; the modules get storage-less placeholders back
     (which also lets go of the last forward's views and their graph)."""
@@ -227,6 +256,10 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         return recompute(s, args, kwargs)
     root = s.root
     if s.is_root:
+        if root.taken_over:  # another root took some of its units over since: take them back
+            s.drop_root()
+            lazy_init(unit)
+            root = s.root
         if root.guard is not None:  # see [Note: Rank-divergence guard]
             _guard_forward(root)
         if root.final_callback_queued:
@@ -529,8 +562,8 @@ def no_sync(root: FullyShardedDataParallel) -> Iterator[None]:
         lazy_init(root)
     if not top.is_root:
         raise RuntimeError(
-            f"FullyShardedDataParallel.no_sync: expected the root unit but '{top.name}' is "
-            f"nested; call no_sync() on the outermost FSDP module."
+            f"`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on root FSDP module "
+            f"(unit '{top.name}' is nested; call it on the outermost FSDP module)."
         )
     states = [u._unit_state for u in top.root.units]
     previous = [(s, s.sync_gradients) for s in states]

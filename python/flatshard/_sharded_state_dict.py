@@ -1,31 +1,36 @@
 """SHARDED_STATE_DICT and LOCAL_STATE_DICT: each original parameter (and its optimizer
-state) as a DTensor, or each unit's flat shard as one.
+state) cut into this rank's chunk, or each unit's flat shard.
 
 [Note: Sharded state dicts]
 As torch's FSDP1 writes them, so that a checkpoint is interchangeable with one
-torch wrote: under the original names, each parameter is a DTensor over its
-unit's shard group, ``Shard(0)`` (with hybrid sharding ``[Replicate(), Shard(0)]``
-over the (replicate, shard) mesh): the full parameter split along its first
-dimension as ``DTensor.redistribute`` splits it (rank r keeps chunk r; ranks past
-the last chunk hold an empty tensor). This is not flatshard's flat layout, so
-saving gathers each unit's full parameters (one unit at a time) and cuts them
-again; loading does the reverse one unit at a time too (see [Note: Loading state
-dicts] in _state_dict_load.py), so that the extra memory is one unit's, as with
-torch's FSDP1 (the optimizer's state likewise, one flat parameter at a time).
-DCP reads these DTensors at any world size: saved at W=4, loaded at W=2, the
-target DTensors describe the same global tensors.
-Buffers and ignored parameters stay plain tensors (the same on every rank).
+torch wrote: under the original names, each parameter is the full parameter split
+along its first dimension as ``torch.chunk`` splits it over the unit's shard group
+(rank r keeps chunk r; ranks past the last chunk hold nothing). As torch's FSDP1,
+the value is a ``ShardedTensor`` (``.local_shards()``), or a DTensor (``Shard(0)``;
+with hybrid sharding ``[Replicate(), Shard(0)]`` over the (replicate, shard) mesh)
+when the model was built from a ``device_mesh`` or the config's ``_use_dtensor``
+asks: ``uses_dtensor``. (torch's ``get_state_dict`` helpers, and flatshard.checkpoint's,
+leave the choice to the model.) This is not flatshard's flat
+layout, so saving gathers each unit's full parameters (one unit at a time) and cuts
+them again; loading does the reverse one unit at a time too (see [Note: Loading
+state dicts] in _state_dict_load.py), so that the extra memory is one unit's, as
+with torch's FSDP1 (the optimizer's state likewise, one flat parameter at a time).
+DCP reads either kind at any world size: saved at W=4, loaded at W=2, the target
+values describe the same global tensors. Buffers and ignored parameters stay plain
+tensors (the same on every rank); so does a 0-dimensional parameter.
 
 [Note: Local state dicts]
 LOCAL_STATE_DICT keeps flatshard's own layout: per unit, ``<unit path>._flat_param``
-is the flat parameter as a 1-D DTensor of its unpadded length, ``Shard(0)`` over the
-shard group (replicated where the unit is), each rank holding its shard without the
-padding (as torch's FSDP1 does with a ShardedTensor), and
+is the flat parameter as a 1-D ShardedTensor (or DTensor, as above) of its unpadded
+length over the shard group (a replicated DTensor where the unit is replicated),
+each rank holding its shard without the padding (as torch's FSDP1 does), and
 ``<unit path>._flat_param_layout`` records what the flat order means (the names,
 shapes and dtype of the parameters in it). Loading checks that record against the
 unit and copies the shard in place, without gathering anything. Because the length
 is unpadded and the chunks are ``torch.chunk``'s, DCP can load such a checkpoint at
-another world size, as long as the units hold the same parameters.
+another world size, as long as the units hold the same parameters. (torch's FSDP1
+writes no layout record, and lays a unit out with alignment padding when it uses
+original parameters: a LOCAL checkpoint is flatshard's or torch's, not both.)
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as ShardedTensorShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatshard import _rank_guard
@@ -96,6 +103,44 @@ def to_dtensor(full: torch.Tensor, unit: FullyShardedDataParallel, offload_to_cp
     return dt
 
 
+def uses_dtensor(unit: FullyShardedDataParallel, config: Any) -> bool:
+    """As torch's FSDP1: DTensors when the unit was built from a ``device_mesh`` or the config asks
+    (``_use_dtensor``), else ``ShardedTensor``s (see [Note: Sharded state dicts])."""
+    return unit._unit_state.device_mesh_given or bool(getattr(config, "_use_dtensor", False))
+
+
+def to_sharded(full: torch.Tensor, unit: FullyShardedDataParallel, use_dtensor: bool,
+               offload_to_cpu: bool = False) -> DTensor | ShardedTensor | torch.Tensor:
+    """A full tensor (the same on every rank of the unit) as this rank's chunk of a DTensor or a
+    ShardedTensor (see ``uses_dtensor``); a scalar stays a plain tensor (it cannot be cut)."""
+    if use_dtensor:
+        return to_dtensor(full, unit, offload_to_cpu)
+    if full.dim() == 0:
+        tensor = full.detach().clone()
+        return tensor.cpu() if offload_to_cpu else tensor
+    return to_sharded_tensor(full.detach(), unit, offload_to_cpu)
+
+
+def to_sharded_tensor(full: torch.Tensor, unit: FullyShardedDataParallel, offload_to_cpu: bool) -> ShardedTensor:
+    """torch FSDP1's ShardedTensor of ``full``: ``full.chunk(W)`` over the unit's shard group, chunk r on
+    group rank r (ranks past the last chunk hold no shard); made from every rank's own knowledge, no
+    collective. (With hybrid sharding the replicas hold the same chunks; DCP keeps one copy.)"""
+    group = unit._unit_state.process_group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    chunks = full.chunk(world, dim=0)
+    device = torch.device("cpu") if offload_to_cpu else full.device
+    metadata, offset = [], 0
+    for r, chunk in enumerate(chunks):
+        metadata.append(ShardMetadata([offset] + [0] * (full.dim() - 1), list(chunk.shape),
+                                      _placement(group, r, device)))
+        offset += chunk.shape[0]
+    local = [ShardedTensorShard(chunks[rank].clone().to(device), metadata[rank])] if rank < len(chunks) else []
+    properties = TensorProperties(dtype=full.dtype, layout=full.layout, requires_grad=False,
+                                  memory_format=torch.contiguous_format, pin_memory=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, sharded_tensor_metadata=ShardedTensorMetadata(metadata, full.shape, properties), process_group=group)
+
+
 def is_sharded(value: Any) -> bool:
     """A DTensor, or a ShardedTensor (torch FSDP1's sharded values, and torch's DCP optimizer reader's)."""
     return isinstance(value, (DTensor, ShardedTensor))
@@ -140,6 +185,7 @@ def sharded_or_local_state_dict(unit: FullyShardedDataParallel, destination: Any
     check_between_iterations(unit, "FullyShardedDataParallel.state_dict")
     _rank_guard.check(unit._unit_state.root, "state_dict()")
     config = unit._unit_state.state_dict_config
+    use_dtensor = uses_dtensor(unit, config)
     entries: dict[str, Any] = {}
     paths = {id(m): clean_name(path) for path, m in unit.named_modules()}
     managed: set[int] = set()
@@ -151,13 +197,13 @@ def sharded_or_local_state_dict(unit: FullyShardedDataParallel, destination: Any
         if u._unit_state.use_orig_params:
             managed.update(id(p) for p in u._unit_state.orig_params)
         if local:
-            entries[join(paths[id(u)], FLAT_PARAM)] = local_dtensor(u, config.offload_to_cpu)
+            entries[join(paths[id(u)], FLAT_PARAM)] = local_flat_shard(u, use_dtensor, config.offload_to_cpu)
             entries[join(paths[id(u)], LAYOUT_SUFFIX)] = layout_record(u._unit_state)
             continue
         with summon_full_params(u, recurse=False, writeback=False, guard_phase=None):
             for m, attr, _ in u._unit_state.param_slots:
                 full = m._parameters[attr]
-                entries[join(paths[id(m)], attr)] = to_dtensor(full, u, config.offload_to_cpu)
+                entries[join(paths[id(m)], attr)] = to_sharded(full, u, use_dtensor, config.offload_to_cpu)
     buffer_dtypes = original_buffer_dtypes(unit)
     units = fsdp_modules(unit)
     for u in units:  # nested units answer as plain modules here
@@ -194,6 +240,39 @@ def layout_record(s: UnitState) -> dict[str, Any]:
     layout = s.handle.layout
     return {"names": list(s.param_local_names), "shapes": [list(shape) for shape in layout.shapes],
             "dtype": str(s.flat_param.dtype), "numel": layout.unpadded_numel}
+
+
+def local_flat_shard(unit: FullyShardedDataParallel, use_dtensor: bool, offload_to_cpu: bool) -> DTensor | ShardedTensor:
+    """The unit's flat shard, without padding, as a 1-D DTensor (or, as torch's FSDP1 without a
+    device_mesh, ShardedTensor; see ``uses_dtensor``) of the unpadded length."""
+    dt = local_dtensor(unit, offload_to_cpu)
+    s = unit._unit_state
+    if use_dtensor or s.replicated:  # (a replicated unit's whole flat parameter: a replicated DTensor)
+        return dt
+    group, numel, local = s.process_group, dt.shape[0], dt.to_local()
+    world, rank, size = dist.get_world_size(group), dist.get_rank(group), s.handle.layout.shard_numel
+    metadata, mine = [], None
+    for r in range(world):
+        begin = min(r * size, numel)
+        n = min(size, numel - begin)
+        if n > 0:
+            metadata.append(ShardMetadata([begin], [n], _placement(group, r, local.device)))
+            if r == rank:
+                mine = metadata[-1]
+    local_shards = [ShardedTensorShard(local, mine)] if mine is not None else []
+    properties = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
+                                  memory_format=torch.contiguous_format, pin_memory=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, sharded_tensor_metadata=ShardedTensorMetadata(metadata, torch.Size([numel]), properties),
+        process_group=group)
+
+
+def _placement(group: dist.ProcessGroup, group_rank: int, device: torch.device) -> str:
+    """A ShardedTensor shard's placement, as torch's FSDP1 writes it: ``rank:<global rank>/<device>``."""
+    global_rank = dist.get_global_rank(group, group_rank)
+    if device.type == "cpu":
+        return f"rank:{global_rank}/cpu"
+    return f"rank:{global_rank}/{device.type}:{global_rank % max(1, torch.cuda.device_count())}"
 
 
 def local_dtensor(unit: FullyShardedDataParallel, offload_to_cpu: bool) -> DTensor:

@@ -86,6 +86,7 @@ class UnitState:
         "sync_module_states",
         "device",  # the compute device
         "device_id_given",  # whether device_id= was passed (else param_init_fn may choose)
+        "device_mesh_given",  # built from a device_mesh: SHARDED state dicts hold DTensors (else ShardedTensors)
         "ignored_modules",  # the expanded set
         "predivide",  # gradient division before the SUM (see _mixed_precision.gradient_divide_factors)
         "postdivide",  # and after it
@@ -93,6 +94,7 @@ class UnitState:
         "handle",  # the C++ FlatParam, or None for a unit without parameters of its own
         "replicated",  # the handle's shard is the whole flat parameter (shard factor 1)
         "placeholders",  # the handle's placeholder views (see [Note: Placeholders] in flat_param.h)
+        "shard_dtype",  # the shard's dtype the handle's buffers were made for
         "flat_param",  # the local shard as an nn.Parameter (registered as _flat_param unless use_orig_params)
         "param_slots",  # [(module, attribute, index into the flat order)], one per registration of a parameter
         "param_names",  # the parameters' full names at wrap time, in flat order
@@ -139,6 +141,7 @@ class UnitState:
         self.sync_module_states = False
         self.device = torch.device("cpu")
         self.device_id_given = False
+        self.device_mesh_given = False
         self.ignored_modules: set[nn.Module] = set()
         self.predivide = 1.0
         self.postdivide = 1.0
@@ -146,6 +149,7 @@ class UnitState:
         self.handle: _C.FlatParam | None = None
         self.replicated = False
         self.placeholders: list[torch.Tensor] = []
+        self.shard_dtype: torch.dtype | None = None
         self.flat_param: nn.Parameter | None = None
         self.param_slots: list[tuple[nn.Module, str, int]] = []
         self.param_names: list[str] = []
@@ -180,6 +184,7 @@ class UnitState:
         """After the handle was made, or remade its buffers (a cast): the values read from it."""
         self.replicated = self.handle.is_replicated
         self.placeholders = list(self.handle.placeholder_views)
+        self.shard_dtype = self.handle.local_shard.dtype
 
     def drop_root(self) -> None:
         """Undoes lazy init for this unit (see [Note: Unit state])."""
@@ -207,6 +212,7 @@ class RootState:
         "post_forward_order",  # units in the order their forward ended (backward prefetch)
         "recompute_order",  # the same, for a rerun of the whole model (see [Note: Recomputation])
         "recomputing",  # the whole model is being rerun
+        "taken_over",  # another root took some of its units over (see _runtime.lazy_init)
         "__weakref__",  # (the exit drain holds roots weakly)
     )
 
@@ -228,4 +234,5 @@ class RootState:
         self.post_forward_order: list[UnitState] = []
         self.recompute_order: list[UnitState] = []
         self.recomputing = False
+        self.taken_over = False
 

@@ -23,10 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from flatshard import _rank_guard
-from flatshard._common import FLAT_PARAM, check_between_iterations, clean_name, fsdp_modules, join
+from flatshard._common import (
+    FLAT_PARAM,
+    check_between_iterations,
+    clean_name,
+    fsdp_modules,
+    join,
+    without_checkpoint_wrappers,
+)
 from flatshard._full_params import summon_full_params
 from flatshard._runtime import lazy_init
 from flatshard._sharded_state_dict import LAYOUT_SUFFIX, layout_record, local_dtensor, to_full
@@ -98,12 +106,16 @@ def prepare_local_load(unit: FullyShardedDataParallel, state_dict: dict[str, Any
                 f"with SHARDED_STATE_DICT to change the model or its wrapping."
             )
         expected = local_dtensor(u, offload_to_cpu=False)
-        if isinstance(value, DTensor):
+        if isinstance(value, (DTensor, ShardedTensor)):
             if value.shape != expected.shape:
                 raise ValueError(f"FullyShardedDataParallel.load_state_dict: {name} has {value.numel()} elements "
                                  f"but {where} holds {expected.numel()}; a local state dict loads only into the "
                                  f"same wrapping.")
-            value = value.to_local()
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            else:  # this rank's one shard, or none (the ranks past the unpadded length)
+                shards = value.local_shards()
+                value = shards[0].tensor if shards else expected.to_local().new_empty(0)
         if not isinstance(value, torch.Tensor) or value.shape != expected.to_local().shape:
             raise ValueError(
                 f"FullyShardedDataParallel.load_state_dict: {name} should be this rank's shard of "
@@ -165,9 +177,10 @@ def _hand_registered_to_nn_module(unit: FullyShardedDataParallel, state_dict: di
 
 
 def rename_to_wrapped(unit: FullyShardedDataParallel, state_dict: dict[str, Any], prefix: str) -> None:
-    """Entries under the original names to the names ``nn.Module``'s loading looks for (with the wrappers')."""
+    """Entries under the original names to the names ``nn.Module``'s loading looks for: with the units'
+    ``_fsdp_wrapped_module`` parts (an activation-checkpoint wrapper's pre-load hook adds its own)."""
     for actual, _ in [*nn.Module.named_parameters(unit, remove_duplicate=False),
                       *nn.Module.named_buffers(unit, remove_duplicate=False)]:
-        clean = clean_name(actual)
-        if clean != actual and prefix + clean in state_dict and prefix + actual not in state_dict:
-            state_dict[prefix + actual] = state_dict.pop(prefix + clean)
+        clean, wanted = clean_name(actual), without_checkpoint_wrappers(actual)
+        if clean != wanted and prefix + clean in state_dict and prefix + wanted not in state_dict:
+            state_dict[prefix + wanted] = state_dict.pop(prefix + clean)

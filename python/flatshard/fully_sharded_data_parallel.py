@@ -17,6 +17,7 @@ This file is the public API; each concern lives in its own private module:
 - ``_state_dict_load``: load_state_dict of all three types
 - ``_optim_state_dict``: optimizer state dicts
 - ``_orig_params``, ``_mixed_precision``, ``_comm_hooks``, ``_rank_guard``, ``_exit``: their features
+- ``_torch_attributes``: torch FSDP1's public attributes (process_group, params, training_state, ...)
 - ``_common``: shared names and helpers
 """
 
@@ -43,6 +44,7 @@ from flatshard import (
 )
 from flatshard._common import FLAT_PARAM, RESHARD_AFTER_FORWARD, WRAPPED, clean_name, fsdp_modules, join
 from flatshard._state import UnitState
+from flatshard._torch_attributes import TorchAttributes
 from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
 from flatshard.api import (
     BackwardPrefetch,
@@ -58,7 +60,7 @@ from flatshard.wrap import _plan_wraps
 
 __all__ = ["FullyShardedDataParallel"]
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(TorchAttributes, nn.Module):
     """Shards a module's parameters across ranks; a drop-in for torch's FSDP (FSDP1).
 
     The constructor takes torch's arguments. Implemented: ``module``,
@@ -105,6 +107,7 @@ class FullyShardedDataParallel(nn.Module):
         *,
         _unit_name: str = "",
         _ignored_params: set[nn.Parameter] | None = None,
+        _device_mesh_given: bool = False,
     ):
         super().__init__()
         ignored_modules, extra_ignored = _construction.split_ignored_states(ignored_modules, ignored_states)
@@ -114,20 +117,15 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel: sharding_strategy: expected a ShardingStrategy but got "
                 f"{sharding_strategy!r}"
             )
-        if param_init_fn is not None and not callable(param_init_fn):
+        if param_init_fn is not None and not callable(param_init_fn):  # (torch's message, then ours)
             raise ValueError(
-                f"FullyShardedDataParallel: param_init_fn: expected a callable taking a module but got "
-                f"{param_init_fn!r}"
+                f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}: param_init_fn takes a module "
+                f"and materializes its parameters."
             )
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise ValueError(
                 f"FullyShardedDataParallel: backward_prefetch: expected a BackwardPrefetch or None "
                 f"but got {backward_prefetch!r}"
-            )
-        if isinstance(module, FullyShardedDataParallel):
-            raise ValueError(
-                f"FullyShardedDataParallel: module '{_unit_name or type(module.module).__name__}' is "
-                f"already wrapped; wrap each module once."
             )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -158,6 +156,7 @@ class FullyShardedDataParallel(nn.Module):
         state.sync_module_states = bool(sync_module_states)
         state.device = _construction.resolve_device(device_id, module, _unit_name)
         state.device_id_given = device_id is not None
+        state.device_mesh_given = device_mesh is not None or _device_mesh_given
 
         ignored = _construction.expand_ignored(ignored_modules, module)
         state.ignored_modules = ignored
@@ -180,6 +179,7 @@ class FullyShardedDataParallel(nn.Module):
                 mixed_precision=state.mixed_precision,
                 cpu_offload=cpu_offload,
                 use_orig_params=use_orig_params,
+                _device_mesh_given=state.device_mesh_given,
             )
             names = {m: name for name, m in module.named_modules()}
             individually = _mixed_precision.individually_wrapped(state.mixed_precision)
@@ -255,15 +255,7 @@ class FullyShardedDataParallel(nn.Module):
                         flat.grad = flat.grad.to(probe.dtype)
         out = super()._apply(fn, recurse)
         if cast:
-            state.handle.after_shard_cast()
-            state.storage_changed()
-            if state.root is not None and state.root.guard is not None:
-                state.root.guard.model_changed()
-            if state.use_orig_params:
-                _orig_params.use_sharded_views(state)
-                _orig_params.use_grad_views(state)
-            else:
-                _runtime.set_views(state, state.placeholders, placeholders=True)
+            _runtime.after_shard_cast(state)
         return out
 
     @property
@@ -275,8 +267,10 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == WRAPPED:
+            if name == WRAPPED or name == "_unit_state":
                 raise
+            if name == FLAT_PARAM and self._unit_state.handle is None:  # no parameters of its own: None, as torch
+                return None
             return getattr(self._fsdp_wrapped_module, name)
 
     def __getitem__(self, key: int) -> Any:
@@ -328,9 +322,13 @@ class FullyShardedDataParallel(nn.Module):
         under its own name and ``named_parameters()`` lists them instead of the
         flat shards. With ``writeback`` (default), changes made to them inside
         are copied back into the local shards on exit. Collective: every rank
-        must enter.
+        must enter. Refuses what torch's FSDP1 refuses, with its errors
+        (``rank0_only`` with ``writeback``, ``offload_to_cpu`` with NO_SHARD,
+        ``with_grads`` with ``use_orig_params=False`` or ``offload_to_cpu``);
+        ``flatshard.summon_full_params`` does those too.
         """
-        return _full_params.summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
+        return _full_params.summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads,
+                                               beyond_torch=False)
 
     def clip_grad_norm_(self, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
         """Clips the gradient norm of every parameter, viewed as one vector, in place.
