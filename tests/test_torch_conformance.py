@@ -412,3 +412,36 @@ def test_handle_fields_as_torch():
                                            msg=f"rank {rank}: {key}")
             else:
                 assert ours[key] == theirs[key], f"rank {rank}: {key}: ours {ours[key]} theirs {theirs[key]}"
+
+
+def _low_precision_clip(rank, world_size, case):
+    """torch's test_low_precision_grads: fp16 mixed precision with keep_low_precision_grads, then
+    clip_grad_norm_: .grad stays fp16 (also with use_orig_params), the norm comes back in fp16, as torch's."""
+    impl, strategy, use_orig_params = case
+    warnings.filterwarnings("ignore")
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+
+    mp = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16, keep_low_precision_grads=True)
+    FSDP, model = _wrap(impl, "leaf_units", mixed_precision=mp, use_orig_params=use_orig_params,
+                        sharding_strategy=ShardingStrategy[strategy])
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    norm = model.clip_grad_norm_(0.01)
+    return {"grad dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+            "norm": (str(norm.dtype), round(norm.item(), 3))}
+
+
+LOW_PRECISION_CLIP = CaseRun(_low_precision_clip, lambda w: (w, [
+    (f"{s}-orig{int(u)}-{impl}", (impl, s, u)) for s in ("FULL_SHARD", "NO_SHARD") for u in (False, True)
+    for impl in IMPLS]), timeout=60.0)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_keep_low_precision_grads_with_clip_grad_norm_as_torch(strategy, use_orig_params):
+    tag = f"{strategy}-orig{int(use_orig_params)}"
+    for rank, (ours, theirs) in enumerate(zip(LOW_PRECISION_CLIP.results(2, f"{tag}-flatshard"),
+                                              LOW_PRECISION_CLIP.results(2, f"{tag}-torch"))):
+        assert ours["grad dtypes"] == theirs["grad dtypes"] == ["torch.float16"], (rank, ours, theirs)
+        assert ours["norm"][0] == theirs["norm"][0] == "torch.float16", (rank, ours, theirs)
+        torch.testing.assert_close(ours["norm"][1], theirs["norm"][1], rtol=1e-2, atol=1e-3)

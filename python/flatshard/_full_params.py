@@ -170,7 +170,7 @@ def _expose_full_params(unit: FullyShardedDataParallel, options: _Options) -> _S
         with torch.no_grad():
             for p, v, g in zip(s.orig_params, views, grads):
                 p.data = v
-                p.grad = g if p.requires_grad else None
+                _orig_params.set_grad(p, g if p.requires_grad else None)
         return summoned
     summoned.flat = unit._parameters.pop(FLAT_PARAM)
     summoned.params = [nn.Parameter(v, requires_grad=summoned.flat.requires_grad) for v in views]

@@ -93,7 +93,18 @@ def use_grad_views(s: UnitState) -> None:
         if not p.requires_grad or not s.orig_grad_seen[index]:
             continue
         view = flat_grad[start : start + numel]
-        p.grad = view.view(layout.shapes[index]) if replicated else view
+        set_grad(p, view.view(layout.shapes[index]) if replicated else view)
+
+
+def set_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    """``p.grad = g``, also where ``g`` is in low precision (keep_low_precision_grads): as torch's FSDP1,
+    through ``.data``, which the ``.grad`` setter's dtype check does not see."""
+    if g is None or g.dtype == p.dtype:
+        p.grad = g
+        return
+    if p.grad is None or p.grad.shape != g.shape:
+        p.grad = torch.zeros((), dtype=p.dtype, device=p.device).expand(g.shape)
+    p.grad.data = g
 
 
 def note_grads(s: UnitState, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -137,7 +148,8 @@ def writeback(s: UnitState) -> None:
             s.orig_grad_seen[index] = False
         elif g.data_ptr() != target.data_ptr():
             target.copy_(g.reshape(-1))
-    flat.grad = flat_grad
+    if flat.grad is not flat_grad:
+        flat.grad = flat_grad
 
 
 def _name_of(s: UnitState, p: nn.Parameter) -> str:
