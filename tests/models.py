@@ -330,15 +330,17 @@ class Odd(nn.Module):
 
 
 class Padded(nn.Module):
-    """(d) A three-element unit (``odd``), and a Linear of 15 elements: both padded at W = 2 and 4."""
+    """(d) A three-element unit (``odd``), and a Linear of 15 elements: both padded at W = 2 and 4; and a
+    ``[1, 3]`` parameter on the root (a class token): one row, so at W >= 2 some ranks hold no chunk of it."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 3)
         self.odd = Odd()
+        self.token = nn.Parameter(torch.rand(1, 3))
 
     def forward(self, x):
-        return self.odd(self.lin(x))
+        return self.odd(self.lin(x)) + self.token
 
 
 class Checkpointed(PlainParent):

@@ -1,5 +1,5 @@
 """A process whose backward raised exits with its traceback and status 1, never by a signal
-(see [Note: Exit] in python/flatshard/_runtime.py).
+(see [Note: Exit] in python/flatshard/_exit.py).
 
 Real interpreters, not the fork-server ranks of _dist.py (whose exit is os._exit): each run
 starts two ranks of tests/scripts/backward_raises_then_exit.py, as torchrun would, whose

@@ -154,6 +154,44 @@ def test_torch_fsdp1_checkpoints_interchange(name):
     INTERCHANGE.results(2, name)
 
 
+# ------------------------------------------------- resuming through DCP, small parameters
+
+
+def _dcp_resume(rank, world_size, case, path_root):
+    """flatshard.checkpoint's get_state_dict -> torch.distributed.checkpoint.save, then load into a fresh
+    model and optimizer and set_state_dict: one more step equals the original's, bit for bit. The padded
+    model has parameters with fewer rows than ranks (a [1, 3] token; a 3-element one at W=4), whose ranks
+    past the last chunk hold none of them."""
+    shape, use_orig_params = case
+    warnings.filterwarnings("ignore")
+    from flatshard.checkpoint import get_state_dict, set_state_dict
+
+    FSDP, original, opt = _wrap("flatshard", shape, 0, use_orig_params)
+    _step(original, opt, rank, 0)
+    path = os.path.join(path_root, f"dcp-{world_size}-{shape}-{use_orig_params}")
+    model_sd, optim_sd = get_state_dict(original, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _, fresh, fresh_opt = _wrap("flatshard", shape, 1, use_orig_params)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert _step(fresh, fresh_opt, rank, 1) == _step(original, opt, rank, 1), "the loss after resuming differs"
+    want, got = _full(FSDP, original), _full(FSDP, fresh)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=f"'{name}' after one more step")
+
+
+DCP_RESUME = CaseRun(_dcp_resume, lambda w: (w, [(f"{s}-orig{int(u)}", (s, u)) for s in ("padded", "checkpointed")
+                                                 for u in (False, True)]), _CHECKPOINTS, timeout=120.0)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", [f"{s}-orig{int(u)}" for s in ("padded", "checkpointed") for u in (False, True)])
+def test_dcp_resume_with_small_parameters(world_size, name):
+    DCP_RESUME.results(world_size, name)
+
+
 # --------------------------------------------------------------- strict=False
 
 

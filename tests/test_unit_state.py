@@ -164,3 +164,20 @@ def test_training_state_at_each_hook():
         ("after backward", "IDLE"), ("in summon_full_params", "SUMMONING"), ("after summon_full_params", "IDLE"),
         ("in apply", "SUMMONING"), ("after apply", "IDLE"),
     ], seen
+
+
+def _backward_inside_summon(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard._common import UsageError
+
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    loss = gpt_loss(model, *local_slice(make_batch(), rank, world_size))
+    with FSDP.summon_full_params(model):
+        with pytest.raises(UsageError, match=r"a backward through unit '.*' ran inside summon_full_params"):
+            loss.backward()
+    return True
+
+
+def test_backward_inside_summon_is_a_usage_error():
+    """A user's misuse reaches the hooks' state checks as an error naming it, not as our assertion."""
+    assert run_distributed(_backward_inside_summon, 2) == [True, True]

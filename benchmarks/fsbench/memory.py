@@ -4,7 +4,8 @@
 torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) was tried and
 not used: it measures FSDP2 and FSDP1 on CPU, but raises ``RecursionError`` on
 flatshard (its module tracker walks ``named_children``, and each flatshard unit
-holds the root as a ``_root`` child after the first forward), and it would miss
+held the root as a ``_root`` child after the first forward then; units no longer do,
+not tried again), and it would miss
 flatshard's unsharded buffers anyway: it sees tensors through a
 ``TorchDispatchMode`` and storage resizes through the Python
 ``UntypedStorage.resize_``, while flatshard allocates and resizes them in C++.

@@ -151,7 +151,7 @@ PYBIND11_MODULE(_C, m) {
       // The per-unit hot path crosses into C++ once per step of a unit's lifecycle:
       // pre-forward and pre-backward are wait_for_unshard (with the prefetch and the
       // views), post-backward is post_backward (with the reshard and the prefetch),
-      // and the reshard after forward is reshard. tests/test_crossings.py counts them.
+      // and the reshard after forward is reshard. tests/test_unit_state.py counts them.
       .def(
           "wait_for_unshard",
           [](Scheduler& self, FlatParam& unit, FlatParam* prefetch, bool views) -> py::object {

@@ -89,7 +89,7 @@ def flat_param_dtypes(
     grad = None
     if mixed_precision.keep_low_precision_grads:
         # As torch: a NO_SHARD unit keeps its reduced gradient as it is (its dtype), others param_dtype.
-        grad = (reduce if replicated and not offload else param) or orig
+        grad = reduce if replicated and not offload else param  # (None: follows the shard's dtype)
     return {"param_dtype": param, "reduce_dtype": reduce, "grad_dtype": grad}
 
 

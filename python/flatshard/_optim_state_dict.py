@@ -160,7 +160,7 @@ def optim_state_dict_to_load(
                 f"optimizer state."
             )
         device = entry.param.device
-        # SHARDED (DTensor) entries: this entry's full values only, one entry at a time ([Note: Sharded
+        # SHARDED (DTensor or ShardedTensor) entries: this entry's full values only, one entry at a time ([Note: Sharded
         # state dicts]); collective, in the optimizer's order on every rank.
         current = _with_full_values(full_state, names)
         if entry.orig_index is not None:
@@ -449,8 +449,8 @@ def _orig_piece_state(entry: _OptimEntry, saved: dict[str, Any], device: torch.d
 # original parameter names and their positions in the unwrapped model's
 # parameters() (OptimStateKeyType), e.g. to load into a model without FSDP; as
 # torch, each group's parameter list comes out sorted. sharded_optim_state_dict is
-# optim_state_dict as under SHARDED_STATE_DICT (DTensors; torch's are ShardedTensors
-# of the same chunks) and flatten_sharded_optim_state_dict is optim_state_dict_to_load.
+# optim_state_dict as under SHARDED_STATE_DICT (ShardedTensors, as torch's)
+# and flatten_sharded_optim_state_dict is optim_state_dict_to_load.
 
 
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,

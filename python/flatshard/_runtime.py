@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from flatshard import _C, _comm_hooks, _exit, _mixed_precision, _orig_params, _rank_guard
-from flatshard._common import clean_name, in_backward, is_unit, logger, tensors_in, to_device
+from flatshard._common import UsageError, clean_name, in_backward, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import RootState, TrainingState, UnitState
@@ -110,10 +110,6 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
                     f"it again between iterations."
                 )
             units.append((clean_name(name), m))
-    for _, m in units:
-        previous = m._unit_state.root
-        if previous is not None and previous.unit is not root:
-            previous.taken_over = True  # its root rebuilds itself at its next forward
     top = root._unit_state
     for name, unit in units:
         s = unit._unit_state
@@ -137,6 +133,10 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
         if s.handle is not None:
             s.handle.group_index = pairs[key]
     root_state = RootState(root, scheduler, [u for _, u in units])
+    for _, unit in units:
+        previous = unit._unit_state.root
+        if previous is not None and previous.unit is not root:
+            previous.taken_over = True  # its root rebuilds itself at its next forward
     for name, unit in units:
         s = unit._unit_state
         s.root = root_state
@@ -257,6 +257,8 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
     root = s.root
     if s.is_root:
         if root.taken_over:  # another root took some of its units over since: take them back
+            if root.final_callback_queued:
+                abort_backward(root)
             s.drop_root()
             lazy_init(unit)
             root = s.root
@@ -275,7 +277,6 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
             args, kwargs = to_device((args, kwargs), s.device)
     if s.forward_input_dtype is not None:  # see flatshard/_mixed_precision.py
         args, kwargs = cast_floating(s.forward_input_dtype, (args, kwargs))
-    s.training_state = FORWARD
     handle = s.handle
     grad_enabled = torch.is_grad_enabled()
     scheduler = root.scheduler
@@ -296,6 +297,7 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         else:
             set_views(s, views)
 
+    s.training_state = FORWARD
     if s.is_root:
         root.in_forward_call = True  # (see summon_full_params)
         try:
@@ -442,11 +444,12 @@ def _handle_at(order: list[UnitState], index: int) -> _C.FlatParam | None:
 
 
 def _backward_prefetch_target(order: list[UnitState], index: int) -> _C.FlatParam | None:
-    """The handle of ``order[index]`` if a use of it is still to run its backward (see [Note: Pending uses])."""
+    """The handle of ``order[index]`` if it is sharded (its modules hold the placeholders) and a use of it
+    is still to run its backward (see [Note: Pending uses])."""
     if not 0 <= index < len(order):
         return None
     s = order[index]
-    return s.handle if s.handle is not None and has_pending_uses(s) else None
+    return s.handle if s.handle is not None and s.placeholders_set and has_pending_uses(s) else None
 
 
 # ------------------------------------------------------------------ backward
@@ -462,9 +465,21 @@ def queue_end_of_backward(root: RootState) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))
 
 
+def _check_backward_allowed(s: UnitState) -> None:
+    """A backward through a unit that is summoned, or inside its own forward, is the caller's misuse."""
+    if s.training_state is SUMMONING:
+        raise UsageError(
+            f"FullyShardedDataParallel: a backward through unit '{s.label}' ran inside summon_full_params; run "
+            f"backward outside it (its parameters are the full ones there, not the shards autograd saw).")
+    if s.training_state is FORWARD:
+        raise UsageError(
+            f"FullyShardedDataParallel: a backward through unit '{s.label}' ran during its own forward (e.g. "
+            f"torch.autograd.grad inside forward through an earlier call of the same unit); as with torch's "
+            f"FSDP1, compute such gradients outside the unit's forward.")
+
+
 def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> None:
-    assert s.training_state is not SUMMONING and s.training_state is not FORWARD, (
-        f"flatshard: pre-backward of unit '{s.label}' in state {s.training_state}")
+    _check_backward_allowed(s)
     queue_end_of_backward(s.root)
     if s.handle is not None:
         s.training_state = PRE_BACKWARD
@@ -477,6 +492,7 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
 
 
 def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]) -> None:
+    _check_backward_allowed(s)
     assert s.training_state is PRE_BACKWARD or s.training_state is POST_BACKWARD, (
         f"flatshard: post-backward of unit '{s.label}' in state {s.training_state}")
     s.training_state = POST_BACKWARD

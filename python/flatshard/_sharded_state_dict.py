@@ -9,8 +9,9 @@ along its first dimension as ``torch.chunk`` splits it over the unit's shard gro
 the value is a ``ShardedTensor`` (``.local_shards()``), or a DTensor (``Shard(0)``;
 with hybrid sharding ``[Replicate(), Shard(0)]`` over the (replicate, shard) mesh)
 when the model was built from a ``device_mesh`` or the config's ``_use_dtensor``
-asks: ``uses_dtensor``. (torch's ``get_state_dict`` helpers, and flatshard.checkpoint's,
-leave the choice to the model.) This is not flatshard's flat
+asks: ``uses_dtensor`` (flatshard.checkpoint's ``get_state_dict`` asks for DTensors: a
+ShardedTensor has no shard on the ranks past a small parameter's last chunk, which DCP cannot
+load an optimizer state dict into; torch's helpers fail there). This is not flatshard's flat
 layout, so saving gathers each unit's full parameters (one unit at a time) and cuts
 them again; loading does the reverse one unit at a time too (see [Note: Loading
 state dicts] in _state_dict_load.py), so that the extra memory is one unit's, as

@@ -66,7 +66,7 @@ def _pre_load_state_dict(unit: FullyShardedDataParallel, state_dict: Any, prefix
         # Loads the shards as they are: no summon.
         s.loading["missing"] = prepare_local_load(unit, state_dict, prefix)
     else:
-        # FULL and SHARDED (DTensors) alike: one unit at a time (see load_per_unit).
+        # FULL and SHARDED (ShardedTensors, DTensors) alike: one unit at a time (see load_per_unit).
         s.loading["missing"] = load_per_unit(unit, state_dict, prefix)
     for inner in fsdp_modules(unit):  # their own pre-load hooks, which run next, have nothing left to do
         if inner is not unit:

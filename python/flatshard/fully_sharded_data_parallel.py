@@ -13,7 +13,7 @@ This file is the public API; each concern lives in its own private module:
 - ``_full_params``: summon_full_params, apply
 - ``_clip_grad_norm``: clip_grad_norm_
 - ``_state_dict``: state_dict (FULL) and the state dict type settings
-- ``_sharded_state_dict``: SHARDED and LOCAL state dicts, DTensor helpers
+- ``_sharded_state_dict``: SHARDED and LOCAL state dicts (ShardedTensors, DTensors)
 - ``_state_dict_load``: load_state_dict of all three types
 - ``_optim_state_dict``: optimizer state dicts
 - ``_orig_params``, ``_mixed_precision``, ``_comm_hooks``, ``_rank_guard``, ``_exit``: their features
@@ -346,7 +346,8 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The state dict of the type set by ``state_dict_type`` (FULL by default: full tensors under the
-        original names, see [Note: State dicts]; SHARDED: DTensors; LOCAL: flat shards). Collective.
+        original names, see [Note: State dicts]; SHARDED: ShardedTensors, or DTensors with a device_mesh; LOCAL:
+        flat shards). Collective.
 
         Also called by a plain parent module's ``state_dict()`` (with its
         ``destination`` and ``prefix``): the entries go there.
@@ -407,7 +408,7 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         ``optim_state_dict`` defaults to ``optim.state_dict()``. The units'
         FullOptimStateDictConfig applies: ``offload_to_cpu`` (default True)
         and ``rank0_only`` (other ranks get ``{}``); under SHARDED_STATE_DICT (and
-        LOCAL, as torch) each per-element state is a DTensor, as the parameter's.
+        LOCAL, as torch) each per-element state is cut as the parameter is (a ShardedTensor or a DTensor).
         """
         return _optim_state_dict.optim_state_dict(model, optim, optim_state_dict, group)
 
@@ -488,7 +489,7 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
     def sharded_optim_state_dict(
         model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
     ) -> dict[str, Any]:
-        """torch's older name for a SHARDED ``optim_state_dict`` (DTensors; see [Note: Older
+        """torch's older name for a SHARDED ``optim_state_dict`` (ShardedTensors; see [Note: Older
         optimizer-state functions])."""
         return _optim_state_dict.sharded_optim_state_dict(model, optim, group)
 

@@ -10,7 +10,7 @@ optimizer's would hold each rank's flat shard under the same name and shape, whi
 that silently loses the other ranks' optimizer state. So flatshard units answer
 torch's ``_fqn_modifiers`` probe (the one hook those helpers call on every module,
 and only they) with an error naming the fix, and these functions take their place,
-with the same signatures and ``StateDictOptions``: SHARDED state dicts (ShardedTensors, or DTensors with a device_mesh, as torch's)
+with the same signatures and ``StateDictOptions``: SHARDED state dicts (DTensors; see ``_state_dict_type``)
 by default, FULL ones with ``full_state_dict=True``. A model without flatshard units
 is passed to torch's own functions.
 """
@@ -61,7 +61,7 @@ TORCH_HELPERS_ERROR = (
 def get_model_state_dict(
     model: nn.Module, *, submodules: set[nn.Module] | None = None, options: StateDictOptions | None = None
 ) -> dict[str, Any]:
-    """As torch's: the model's state dict, SHARDED (as torch's: ShardedTensors, DTensors with a device_mesh) or with ``full_state_dict`` FULL. Collective."""
+    """As torch's: the model's state dict, SHARDED (DTensors) or with ``full_state_dict`` FULL. Collective."""
     if not fsdp_modules(model):
         return torch_dsd.get_model_state_dict(model, submodules=submodules, options=options)
     options = _checked(options, submodules, "get_model_state_dict")
@@ -210,8 +210,12 @@ def _state_dict_type(model: nn.Module, options: StateDictOptions) -> Iterator[No
                     FullOptimStateDictConfig(offload_to_cpu=options.cpu_offload,
                                              rank0_only=options.cpu_offload or options.broadcast_from_rank0))
     else:
-        settings = (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=options.cpu_offload),
-                    ShardedOptimStateDictConfig(offload_to_cpu=options.cpu_offload))
+        # DTensors (torch's helpers give its FSDP1's ShardedTensors without a device_mesh): a ShardedTensor
+        # holds no shard on the ranks past a small parameter's last chunk, and torch.distributed.checkpoint
+        # then cannot rebuild the optimizer state dict it loads into (torch's helpers fail there too).
+        settings = (StateDictType.SHARDED_STATE_DICT,
+                    ShardedStateDictConfig(offload_to_cpu=options.cpu_offload, _use_dtensor=True),
+                    ShardedOptimStateDictConfig(offload_to_cpu=options.cpu_offload, _use_dtensor=True))
     with state_dict_type(model, *settings):
         yield
 
