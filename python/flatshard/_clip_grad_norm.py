@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from flatshard import _orig_params, _rank_guard
 from flatshard._profiling import collective_range
-from flatshard._runtime import lazy_init
+from flatshard._runtime import require_root
 
 if TYPE_CHECKING:
     from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
@@ -20,15 +20,8 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def clip_grad_norm(unit: FullyShardedDataParallel, max_norm: float | int, norm_type: float | int = 2.0) -> torch.Tensor:
     """See ``FullyShardedDataParallel.clip_grad_norm_``."""
+    root = require_root(unit, "`clip_grad_norm_()` should only be called on the root FSDP instance")
     top = unit._unit_state
-    if top.is_root is None:
-        lazy_init(unit)
-    if not top.is_root:
-        raise RuntimeError(
-            f"`clip_grad_norm_()` should only be called on the root FSDP instance: unit '{top.name}' is nested; "
-            f"call it on the outermost FSDP module."
-        )
-    root = top.root
     _rank_guard.check(root, "clip_grad_norm_()")
     norm_type = float(norm_type)
     sharded, replicated = [], []

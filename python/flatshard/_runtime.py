@@ -570,18 +570,22 @@ def abort_backward(root: RootState) -> None:
                 _orig_params.use_grad_views(s)
 
 
+def require_root(unit: FullyShardedDataParallel, torch_phrase: str) -> RootState:
+    """The root state of ``unit`` (lazily initialized), which must be the root: else a RuntimeError that
+    starts with ``torch_phrase``, torch's message for the call, and names the unit."""
+    top = unit._unit_state
+    if top.is_root is None:
+        lazy_init(unit)
+    if not top.is_root:
+        raise RuntimeError(f"{torch_phrase} (unit '{top.name}' is nested; call it on the outermost FSDP module).")
+    return top.root
+
+
 @contextlib.contextmanager
 def no_sync(root: FullyShardedDataParallel) -> Iterator[None]:
     """See ``FullyShardedDataParallel.no_sync`` and [Note: no_sync]."""
-    top = root._unit_state
-    if top.is_root is None:
-        lazy_init(root)
-    if not top.is_root:
-        raise RuntimeError(
-            f"`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on root FSDP module "
-            f"(unit '{top.name}' is nested; call it on the outermost FSDP module)."
-        )
-    states = [u._unit_state for u in top.root.units]
+    states = [u._unit_state for u in require_root(root, "`no_sync()` on inner FSDP instances is not supported. "
+                                                        "Please call `no_sync()` on root FSDP module").units]
     previous = [(s, s.sync_gradients) for s in states]
     for s in states:
         s.sync_gradients = False
