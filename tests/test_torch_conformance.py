@@ -445,3 +445,44 @@ def test_keep_low_precision_grads_with_clip_grad_norm_as_torch(strategy, use_ori
         assert ours["grad dtypes"] == theirs["grad dtypes"] == ["torch.float16"], (rank, ours, theirs)
         assert ours["norm"][0] == theirs["norm"][0] == "torch.float16", (rank, ours, theirs)
         torch.testing.assert_close(ours["norm"][1], theirs["norm"][1], rtol=1e-2, atol=1e-3)
+
+
+def _checkpointing_after_wrapping(rank, world_size, case):
+    """apply_activation_checkpointing after wrapping (accelerate, Lightning and fms-fsdp do it): the
+    checkpoint wrapper is used (each block's forward runs again in backward), `.module` is the block as
+    torch's shows it, the FULL state-dict keys and the losses are torch's."""
+    impl, = case
+    warnings.filterwarnings("ignore")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+
+    FSDP = fsdp_class(impl)
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    block = model.module.blocks[1]
+    calls = []
+    [m for m in block.modules() if isinstance(m, Block)][0].register_forward_pre_hook(lambda *_: calls.append(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(2):
+        loss = gpt_loss(model, *local_slice(make_batch(seed=1000 + step), rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"module": type(block.module).__name__, "block forwards": len(calls), "losses": losses,
+            "keys": list(model.state_dict())}
+
+
+CHECKPOINTING = CaseRun(_checkpointing_after_wrapping, lambda w: (w, [(impl, (impl,)) for impl in IMPLS]),
+                        timeout=60.0)
+
+
+def test_activation_checkpointing_applied_after_wrapping_as_torch():
+    for rank, (ours, theirs) in enumerate(zip(CHECKPOINTING.results(2, "flatshard"),
+                                              CHECKPOINTING.results(2, "torch"))):
+        assert ours["block forwards"] == theirs["block forwards"] == 4, (rank, ours, theirs)  # 2 steps x (fwd + rerun)
+        assert ours["module"] == theirs["module"] == "Block"
+        assert ours["keys"] == theirs["keys"]
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=1e-6)

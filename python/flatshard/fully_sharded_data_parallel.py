@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from flatshard import (
     _clip_grad_norm,
@@ -42,7 +43,15 @@ from flatshard import (
     _state_dict,
     _state_dict_load,
 )
-from flatshard._common import FLAT_PARAM, RESHARD_AFTER_FORWARD, WRAPPED, clean_name, fsdp_modules, join
+from flatshard._common import (
+    CHECKPOINT_WRAPPED,
+    FLAT_PARAM,
+    RESHARD_AFTER_FORWARD,
+    WRAPPED,
+    clean_name,
+    fsdp_modules,
+    join,
+)
 from flatshard._state import UnitState
 from flatshard._torch_attributes import TorchAttributes
 from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
@@ -260,8 +269,18 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module; under an activation-checkpoint wrapper put around it after wrapping, the module
+        inside that wrapper (as torch's)."""
+        wrapped = self._fsdp_wrapped_module
+        inner = wrapped._modules.get(CHECKPOINT_WRAPPED) if isinstance(wrapped, ActivationWrapper) else None
+        return inner if inner is not None else wrapped
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The wrapped module replaced after wrapping (apply_activation_checkpointing after wrapping
+        # puts a checkpoint wrapper around it, as accelerate and Lightning do): the runtime calls the new one.
+        if name == WRAPPED and "_unit_state" in self.__dict__:
+            self._unit_state.module = value
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         try:
