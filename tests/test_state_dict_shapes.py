@@ -26,7 +26,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy

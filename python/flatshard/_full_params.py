@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch

@@ -58,8 +58,6 @@ from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
 from flatshard.api import (
     BackwardPrefetch,
     CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
     StateDictSettings,
