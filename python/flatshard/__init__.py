@@ -12,6 +12,8 @@ from flatshard.api import *  # noqa: F401,F403  (torch's enums and configs, see 
 from flatshard._rank_guard import RankDivergenceError
 from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 from flatshard._full_params import summon_full_params as _summon_full_params
+from flatshard._host_offload import move_shards_to_device, move_shards_to_host
+from flatshard import _as_torch
 
 
 def summon_full_params(module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
@@ -21,8 +23,31 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
     NO_SHARD units, ``with_grads`` with ``use_orig_params=False`` or ``offload_to_cpu``. Collective."""
     return _summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
 
+
+def install_as_torch_fsdp() -> None:
+    """From now on, in this process, torch's ``torch.distributed.fsdp.FullyShardedDataParallel`` is flatshard's:
+    code that constructs torch's class (accelerate, the HF Trainer, TRL, Lightning, verl), calls its static methods,
+    or uses ``torch.distributed.checkpoint.state_dict``'s helpers gets flatshard, whatever the import order.
+    ``FLATSHARD_AS_TORCH_FSDP=1`` in the environment does this at interpreter start (every ``torchrun`` /
+    ``accelerate launch`` worker). See "Using it with frameworks" in the README and [Note: flatshard as torch's FSDP]."""
+    _as_torch.install()
+
+
+def uninstall_as_torch_fsdp() -> None:
+    """Undoes ``install_as_torch_fsdp``: torch's class and helpers are torch's again."""
+    _as_torch.uninstall()
+
+
+def is_active() -> bool:
+    """Whether torch's FSDP1 class gives flatshard's in this process (``install_as_torch_fsdp`` or
+    ``FLATSHARD_AS_TORCH_FSDP=1``)."""
+    return _as_torch.is_active()
+
+
 FSDP = FullyShardedDataParallel
 
 __version__ = "0.1.0"
 
-__all__ = [*api.__all__, "FSDP", "FullyShardedDataParallel", "RankDivergenceError", "summon_full_params", "wrap"]
+__all__ = [*api.__all__, "FSDP", "FullyShardedDataParallel", "RankDivergenceError", "install_as_torch_fsdp",
+           "is_active", "move_shards_to_device", "move_shards_to_host", "summon_full_params",
+           "uninstall_as_torch_fsdp", "wrap"]

@@ -74,6 +74,7 @@ from torch import nn
 from flatshard import _C, _comm_hooks, _exit, _mixed_precision, _orig_params, _rank_guard
 from flatshard._common import UsageError, clean_name, in_backward, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
+from flatshard._host_offload import check_shards_on_device
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import RootState, TrainingState, UnitState
 from flatshard.api import BackwardPrefetch
@@ -262,6 +263,8 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
             s.drop_root()
             lazy_init(unit)
             root = s.root
+        if root.shards_on_host:  # see [Note: Shards on the host]
+            check_shards_on_device(s)
         if root.guard is not None:  # see [Note: Rank-divergence guard]
             _guard_forward(root)
         if root.final_callback_queued:

@@ -213,6 +213,7 @@ class RootState:
         "recompute_order",  # the same, for a rerun of the whole model (see [Note: Recomputation])
         "recomputing",  # the whole model is being rerun
         "taken_over",  # another root took some of its units over (see _runtime.lazy_init)
+        "shards_on_host",  # the shards were moved to host memory (see [Note: Shards on the host])
         "__weakref__",  # (the exit drain holds roots weakly)
     )
 
@@ -235,4 +236,5 @@ class RootState:
         self.recompute_order: list[UnitState] = []
         self.recomputing = False
         self.taken_over = False
+        self.shards_on_host = False
 

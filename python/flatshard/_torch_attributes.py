@@ -137,6 +137,14 @@ class TorchAttributes:
         s = self._unit_state
         return None if s.handle is None else HandleView(s)
 
+    @property
+    def _all_handles(self) -> list[HandleView]:
+        """On the root (after lazy init), every unit's handle under it (verl walks them); else none, as torch's."""
+        s = self._unit_state
+        if not s.is_root:
+            return []
+        return [HandleView(u._unit_state) for u in s.root.units if u._unit_state.handle is not None]
+
     def _unshard(self, async_op: bool = False) -> _Unsharded | None:
         """As torch's (its tests call it): gathers the unit's full parameters now. Collective."""
         handle = self._handle
@@ -178,7 +186,23 @@ class HandleView:
 
     @property
     def flat_param(self) -> nn.Parameter:
-        return self._state.flat_param
+        """The unit's flat parameter (its local shard), with torch's ``_local_shard`` alias of its data."""
+        flat = self._state.flat_param
+        local = flat.__dict__.get("_local_shard")
+        if local is None or local.data_ptr() != flat.data_ptr() or local.device != flat.device:
+            flat._local_shard = flat.data
+        return flat
+
+    def flat_param_to(self, *args, **kwargs) -> None:
+        """torch's move of the flat parameter (verl's offload to the host and back): the unit's shard moves
+        and the runtime follows (see [Note: Shards on the host]). Only a device may be given."""
+        from flatshard._host_offload import move_shard
+
+        target = torch.empty(0, device=self._state.flat_param.device).to(*args, **kwargs)
+        if target.dtype != torch.float32:
+            raise ValueError(f"FlatParamHandle.flat_param_to: unit '{self._state.label}': only a device can be given; "
+                             f"cast the model with .to(dtype) instead.")
+        move_shard(self._state, target.device, bool(kwargs.get("non_blocking", False)))
 
     @property
     def _training_state(self) -> HandleTrainingState:

@@ -50,10 +50,12 @@ from flatshard._common import (
     WRAPPED,
     clean_name,
     fsdp_modules,
+    is_unit,
     join,
 )
 from flatshard._state import UnitState
 from flatshard._torch_attributes import TorchAttributes
+from flatshard._torch_internals import missing_attribute
 from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
 from flatshard.api import (
     BackwardPrefetch,
@@ -116,7 +118,7 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         _ignored_params: set[nn.Parameter] | None = None,
         _device_mesh_given: bool = False,
     ):
-        super().__init__()
+        nn.Module.__init__(self)  # (not super(): see [Note: flatshard as torch's FSDP] in _as_torch.py)
         ignored_modules, extra_ignored = _construction.split_ignored_states(ignored_modules, ignored_states)
         strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
         if not isinstance(strategy, ShardingStrategy):
@@ -195,7 +197,7 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
                 auto_wrap_policy,
                 ignored,
                 ignored_params,
-                lambda m: isinstance(m, FullyShardedDataParallel),
+                is_unit,
                 individually,
             )
             _mixed_precision.run_in_fp32(
@@ -205,7 +207,7 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
             for target, overrides in plan:
                 parent, attr = parents[target]
                 name = join(_unit_name, names[target])
-                setattr(parent, attr, FullyShardedDataParallel(target, **{**child_kwargs, **overrides}, _unit_name=name))
+                setattr(parent, attr, type(self)(target, **{**child_kwargs, **overrides}, _unit_name=name))
 
         self._fsdp_wrapped_module = module
         _construction.build_flat_param(self, module, ignored, ignored_params)
@@ -260,7 +262,7 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
                     flat.data = flat.data.to(probe.dtype)
                     if flat.grad is not None:
                         flat.grad = flat.grad.to(probe.dtype)
-        out = super()._apply(fn, recurse)
+        out = nn.Module._apply(self, fn, recurse)
         if cast:
             _runtime.after_shard_cast(state)
         return out
@@ -278,29 +280,32 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         # puts a checkpoint wrapper around it, as accelerate and Lightning do): the runtime calls the new one.
         if name == WRAPPED and "_unit_state" in self.__dict__:
             self._unit_state.module = value
-        super().__setattr__(name, value)
+        nn.Module.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return super().__getattr__(name)
+            return nn.Module.__getattr__(self, name)
         except AttributeError:
             if name == WRAPPED or name == "_unit_state":
                 raise
             if name == FLAT_PARAM and self._unit_state.handle is None:  # no parameters of its own: None, as torch
                 return None
-            return getattr(self._fsdp_wrapped_module, name)
+            try:
+                return getattr(self._fsdp_wrapped_module, name)
+            except AttributeError:
+                raise missing_attribute(self, name) from None
 
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """Like ``nn.Module.named_parameters``, without the wrapper's prefix in names."""
-        for name, p in super().named_parameters(*args, **kwargs):
+        for name, p in nn.Module.named_parameters(self, *args, **kwargs):
             yield clean_name(name), p
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """Like ``nn.Module.named_buffers``, without the wrapper's prefix in names."""
-        for name, b in super().named_buffers(*args, **kwargs):
+        for name, b in nn.Module.named_buffers(self, *args, **kwargs):
             yield clean_name(name), b
 
     def check_is_root(self) -> bool:

@@ -1,0 +1,167 @@
+"""The opt-in that makes torch's FSDP1 class flatshard's: how frameworks reach flatshard.
+
+[Note: flatshard as torch's FSDP]
+HF accelerate (and the Trainer and TRL on it), Lightning and verl construct
+``torch.distributed.fsdp.FullyShardedDataParallel`` inside their own code, call its
+static methods (``FSDP.state_dict_type``, ``FSDP.optim_state_dict``,
+``FSDP.summon_full_params``, ...) and torch's ``torch.distributed.checkpoint.state_dict``
+helpers, and check ``isinstance(m, FSDP)`` and even ``type(m) is FSDP`` (accelerate's
+FULL checkpoint loading). Changing an import in one's own script reaches none of that.
+After ``install()`` (``flatshard.install_as_torch_fsdp()``, or
+``FLATSHARD_AS_TORCH_FSDP=1`` in the environment, honoured at interpreter start by
+``flatshard_as_torch_fsdp.pth``; see ``_flatshard_startup.py``):
+
+- torch's class itself takes flatshard's members: every method, property and static
+  method of flatshard's class (``__init__`` included) is set on torch's class, so that
+  every name bound to it, whenever it was imported, builds and runs flatshard units
+  whose type *is* torch's class. Auto-wrapped children are made with ``type(self)``.
+  What torch's class defines and flatshard's does not is replaced by an error that
+  names it (``_torch_internals``), and torch's ``_flat_param`` property is removed
+  (a unit's ``_flat_param`` is the flat parameter flatshard registers on it).
+- flatshard's class calls ``nn.Module``'s methods by name, never ``super()``, so the
+  same functions work on both classes.
+- torch's ``torch.distributed.checkpoint.state_dict`` functions and
+  ``torch.distributed.fsdp._runtime_utils._lazy_init`` (verl calls it) are replaced by
+  flatshard's, in their modules and wherever an already imported module bound them by
+  name (``from ... import get_state_dict`` before the opt-in).
+
+``uninstall()`` puts torch's back (tests run torch's FSDP1 as their oracle in the same
+process). Without the opt-in nothing of torch's is changed. Models must be wrapped
+after the opt-in: a torch FSDP1 instance made before it does not work while it is on.
+flatshard's own class (``flatshard.FullyShardedDataParallel``) is left as it is: under
+the opt-in, construct torch's.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable
+
+import torch.distributed.checkpoint.state_dict as torch_dsd
+import torch.distributed.fsdp as torch_fsdp
+import torch.distributed.fsdp._runtime_utils as torch_runtime_utils
+from torch import nn
+
+from flatshard._common import FLAT_PARAM, is_unit, logger
+
+ENV_VAR = "FLATSHARD_AS_TORCH_FSDP"
+TorchFSDP = torch_fsdp.FullyShardedDataParallel
+
+_DSD_FUNCTIONS = (
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
+)
+
+_lock = threading.Lock()
+_active = False
+# What install() changed, to undo: (owner, name, original or _ABSENT).
+_undo: list[tuple[Any, str, Any]] = []
+_ABSENT = object()
+# torch's own functions, captured before any patching (flatshard's fallbacks call these).
+TORCH_ORIGINALS: dict[str, Callable] = {name: getattr(torch_dsd, name) for name in _DSD_FUNCTIONS}
+TORCH_ORIGINALS["_lazy_init"] = torch_runtime_utils._lazy_init
+
+
+def is_active() -> bool:
+    """Whether torch's FSDP1 class currently gives flatshard's (see [Note: flatshard as torch's FSDP])."""
+    return _active
+
+
+def install(reason: str = "flatshard.install_as_torch_fsdp()") -> None:
+    """Makes ``torch.distributed.fsdp.FullyShardedDataParallel`` (and its static methods, torch's
+    ``torch.distributed.checkpoint.state_dict`` helpers, ``_runtime_utils._lazy_init``) flatshard's,
+    in this process. Idempotent."""
+    global _active
+    with _lock:
+        if _active:
+            return
+        from flatshard._torch_internals import refused_torch_methods
+        from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
+
+        refused = refused_torch_methods(TorchFSDP, FullyShardedDataParallel)
+        for name, value in _flatshard_members().items():
+            _set(TorchFSDP, name, value)
+        for name, value in refused.items():
+            _set(TorchFSDP, name, value)
+        _set(TorchFSDP, FLAT_PARAM, _ABSENT)
+        from flatshard.checkpoint import _state_dict_api
+
+        replacements = {TORCH_ORIGINALS[name]: getattr(_state_dict_api, name) for name in _DSD_FUNCTIONS}
+        replacements[TORCH_ORIGINALS["_lazy_init"]] = _lazy_init
+        for name in _DSD_FUNCTIONS:
+            _set(torch_dsd, name, replacements[TORCH_ORIGINALS[name]])
+        _set(torch_runtime_utils, "_lazy_init", _lazy_init)
+        _rebind_imported(replacements)
+        _active = True
+    logger.info("flatshard: torch.distributed.fsdp.FullyShardedDataParallel is flatshard's (%s)", reason)
+
+
+def uninstall() -> None:
+    """Puts back everything ``install`` changed."""
+    global _active
+    with _lock:
+        while _undo:
+            owner, name, original = _undo.pop()
+            if original is _ABSENT:
+                delattr(owner, name)
+            elif isinstance(owner, dict):
+                owner[name] = original
+            else:
+                setattr(owner, name, original)
+        _active = False
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    """``owner.name = value`` (deleted for ``_ABSENT``), recorded for ``uninstall``."""
+    _undo.append((owner, name, owner.__dict__.get(name, _ABSENT) if isinstance(owner, type) else getattr(owner, name)))
+    if value is _ABSENT:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, value)
+
+
+def _rebind_imported(replacements: dict[Callable, Callable]) -> None:
+    """Names bound to torch's functions in modules imported before the opt-in (``from
+    torch.distributed.checkpoint.state_dict import get_state_dict``) get flatshard's too."""
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name.startswith(("flatshard", "torch.")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            try:
+                replacement = replacements.get(value)
+            except TypeError:  # unhashable
+                continue
+            if replacement is not None:
+                _undo.append((namespace, name, value))
+                namespace[name] = replacement
+
+
+def _lazy_init(state: Any, root_module: nn.Module) -> Any:
+    """torch's ``_runtime_utils._lazy_init(state, root_module)`` (verl calls it before reaching into
+    ``_all_handles``): on a flatshard unit, flatshard's lazy init."""
+    if is_unit(state):
+        state._lazy_init()
+        return state
+    return TORCH_ORIGINALS["_lazy_init"](state, root_module)
+
+
+def _flatshard_members() -> dict[str, Any]:
+    """Every attribute flatshard's class (and its mixins) defines, as torch's class gets them."""
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    members: dict[str, Any] = {}
+    for klass in reversed(FullyShardedDataParallel.__mro__):
+        if klass in (nn.Module, object):
+            continue
+        for name, value in vars(klass).items():
+            if name not in ("__dict__", "__weakref__", "__module__", "__doc__", "__qualname__", "__annotations__"):
+                members[name] = value
+    return members

@@ -1,0 +1,107 @@
+"""Moving every shard (and optionally the optimizer's state) to host memory and back.
+
+[Note: Shards on the host]
+RL loops (verl's PPO workers) free the accelerator between training phases: the
+rollout engine needs the memory, so the training model's shards, and the optimizer's
+state, go to host memory and come back for the next update. ``move_shards_to_host`` /
+``move_shards_to_device`` do that for a flatshard model, between iterations: each
+unit's flat shard and its gradient move (``.data`` replaced, so the optimizer's
+references stay valid), the runtime takes the moved shard up as after a cast (its
+buffers and, with ``use_orig_params``, the original parameters' views follow), and the
+optimizer's per-parameter tensors move with ``optimizer=``. Units with
+``CPUOffload(offload_params=True)`` keep their shards on the host already and are left
+alone. While the shards are on the host a forward raises (the model would compute with
+shards copied in at every gather, slowly, and put gradients on the host): move them
+back first. torch FSDP1's ``handle.flat_param_to(device)``, which verl calls unit by
+unit, reaches ``move_shard`` (see [Note: torch's internals]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatshard import _C, _orig_params
+from flatshard._common import fsdp_modules
+from flatshard._state import UnitState
+
+
+def move_shards_to_host(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                        non_blocking: bool = False) -> None:
+    """Moves every unit's shard and gradient in ``model`` (and ``optimizer``'s state) to host memory."""
+    _move_all(model, optimizer, None, non_blocking)
+
+
+def move_shards_to_device(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                          non_blocking: bool = False) -> None:
+    """Moves them back to each unit's compute device (after ``move_shards_to_host``)."""
+    _move_all(model, optimizer, "device", non_blocking)
+
+
+def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to: str | None, non_blocking: bool) -> None:
+    units = fsdp_modules(model)
+    if not units:
+        raise ValueError(f"flatshard.move_shards_to_{'device' if to else 'host'}: {type(model).__name__} has no "
+                         f"FullyShardedDataParallel units; wrap it first (or move it with .to()).")
+    for root in fsdp_modules(model, root_only=True):
+        root._lazy_init()
+    devices = set()
+    for unit in units:
+        s = unit._unit_state
+        if s.handle is not None and not s.offload_params:
+            device = s.device if to else torch.device("cpu")
+            move_shard(s, device, non_blocking)
+            devices.add(device)
+    if optimizer is not None:
+        target = next(iter(devices), None)
+        if target is not None:
+            _move_optimizer_state(optimizer, target, non_blocking)
+
+
+def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -> None:
+    """Moves one unit's flat shard and its gradient to ``device`` (between iterations)."""
+    root = s.root
+    if root is not None and root.in_iteration:
+        raise RuntimeError(
+            f"flatshard: unit '{s.label}': its shard cannot move during a forward/backward iteration; move the "
+            f"shards between steps (after the optimizer step, or after a no-grad forward).")
+    if s.handle.state != _C.ShardedState.SHARDED:
+        from flatshard._runtime import reshard
+
+        reshard(s)
+    flat = s.flat_param
+    device = torch.device(device)
+    if flat.device == device:
+        return
+    if s.use_orig_params:  # edits to the original parameters first: they are views of the shard
+        _orig_params.writeback(s)
+    with torch.no_grad():
+        flat.data = flat.data.to(device, non_blocking=non_blocking)
+        if flat.grad is not None:
+            flat.grad = flat.grad.to(device, non_blocking=non_blocking)
+    from flatshard._runtime import after_shard_cast
+
+    after_shard_cast(s)
+    if root is not None:
+        root.shards_on_host = any(
+            u._unit_state.handle is not None and not u._unit_state.offload_params
+            and u._unit_state.flat_param.device != u._unit_state.device
+            for u in root.units
+        )
+
+
+def check_shards_on_device(s: UnitState) -> None:
+    """A forward with the shards on the host: the error, with the fix."""
+    raise RuntimeError(
+        f"FullyShardedDataParallel: the shards of '{s.label}' are in host memory "
+        f"(flatshard.move_shards_to_host, or torch's handle.flat_param_to): call "
+        f"flatshard.move_shards_to_device(model) before the next forward.")
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, non_blocking: bool) -> None:
+    """The per-element state (Adam's moments, ...) moves; scalars such as ``step`` stay where the optimizer
+    keeps them."""
+    for state in optimizer.state.values():
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
+                state[key] = value.to(device, non_blocking=non_blocking)

@@ -1,0 +1,166 @@
+"""HF accelerate's own FSDP1 code on flatshard, through the opt-in (issue 19), against torch FSDP1.
+
+Each rank runs accelerate's ``Accelerator.prepare`` (``FullyShardedDataParallelPlugin``,
+``fsdp_version=1``, ``mixed_precision="bf16"``, a transformer wrap policy on a tiny
+Llama built from a config), ``accelerator.accumulate`` over 2 micro-batches with
+``accelerator.backward``, ``save_state`` / ``load_state`` with SHARDED and FULL state
+dicts, and ``get_state_dict``; first on torch's FSDP1, then with
+``flatshard.install_as_torch_fsdp()`` on flatshard, in the same ranks. The losses, the
+losses after resuming from the checkpoint, and the full state dict must be torch's (bit
+for bit: accelerate sets the same MixedPrecision for both, and flatshard's mixed
+precision is bit-equal to torch FSDP1's on gloo, tests/test_mixed_precision.py).
+torch FSDP1's FULL state dicts with ``offload_to_cpu`` (accelerate's FULL checkpoints and
+``get_state_dict``) segfault on CPU in torch 2.13, so torch runs with SHARDED checkpoints
+and gives its full state dict without offloading; flatshard runs both, and its FULL
+resume must continue exactly as the run that went on. (accelerate's SHARDED resume does
+not, on torch FSDP1 either: the second optimizer step after it differs; flatshard
+matches torch there bit for bit.)
+
+Forcing the FSDP path on CPU: accelerate takes FSDP only on accelerator types and DDP on
+CPU, and passes ``device_id=cpu:0``, which torch FSDP1 refuses ("Inconsistent compute
+device"). The test sets what accelerate's AcceleratorState sets on a GPU machine
+(``distributed_type = FSDP`` in its and PartialState's shared state) and the device to
+``cpu``; everything else is accelerate's code.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import pytest
+import torch
+
+from _dist import run_distributed
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+STEPS = 4  # micro-batches before the checkpoint (2 optimizer steps), and as many after
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+
+def _accelerator(rank, world_size, use_orig_params, state_dict_type):
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    AcceleratorState._reset_state(True)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=1, use_orig_params=use_orig_params, state_dict_type=state_dict_type,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}))
+    acc = Accelerator(cpu=True, mixed_precision="bf16", fsdp_plugin=plugin, gradient_accumulation_steps=2)
+    # The FSDP path on CPU (see the module docstring): what AcceleratorState sets on a GPU machine.
+    acc.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    acc.state.device = PartialState._shared_state["device"] = torch.device("cpu")
+    plugin.set_mixed_precision("bf16")
+    # accelerate loads FULL checkpoints only with sync_module_states, which its plugin refuses to take on CPU
+    # (it makes a param_init_fn for the accelerator's device): set after construction, no param_init_fn needed.
+    plugin.sync_module_states = state_dict_type == "FULL_STATE_DICT"
+    acc.state.fsdp_plugin = plugin
+    return acc
+
+
+def _full_state_dict(acc, model, impl):
+    """accelerate's ``get_state_dict`` (FULL, offloaded, on rank 0) on flatshard. On torch FSDP1 on CPU it
+    segfaults (in torch's offload_to_cpu param hook, torch 2.13): the same state dict, not offloaded."""
+    if impl == "flatshard":
+        return acc.get_state_dict(model)
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+        state = model.state_dict()
+    return state if torch.distributed.get_rank() == 0 else {}
+
+
+def _train(acc, model, opt, batches):
+    losses = []
+    for ids in batches:
+        with acc.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.detach().float())
+    return losses
+
+
+def _run(rank, world_size, use_orig_params, state_dict_type, ckpt_dir, impl):
+    acc = _accelerator(rank, world_size, use_orig_params, state_dict_type)
+    g = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, 128, (8, 16), generator=g).chunk(world_size)[rank]] * (2 * STEPS)
+    model = acc.prepare(_llama())
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    kind = (type(model).__name__, getattr(model, "_is_flatshard_unit", False))
+    losses = _train(acc, model, opt, batches[:STEPS])
+    acc.save_state(ckpt_dir)
+    losses += _train(acc, model, opt, batches[STEPS:])
+    full = {k: v.float().clone() for k, v in _full_state_dict(acc, model, impl).items()}
+    acc.wait_for_everyone()
+
+    acc2 = _accelerator(rank, world_size, use_orig_params, state_dict_type)
+    model2 = acc2.prepare(_llama())
+    opt2 = acc2.prepare(torch.optim.AdamW(model2.parameters(), lr=1e-2))
+    acc2.load_state(ckpt_dir)
+    resumed = _train(acc2, model2, opt2, batches[STEPS:])
+    out = torch.stack(losses + resumed)
+    torch.distributed.all_reduce(out)
+    return {"class": kind, "losses": (out / world_size).tolist(), "full": full}
+
+
+def _both(rank, world_size, use_orig_params, tmp):
+    """torch FSDP1 with SHARDED checkpoints (its FULL ones segfault on CPU, see _full_state_dict), then flatshard
+    with both."""
+    import flatshard
+
+    got = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for impl, state_dict_type in (("torch", "SHARDED_STATE_DICT"), ("flatshard", "SHARDED_STATE_DICT"),
+                                      ("flatshard", "FULL_STATE_DICT")):
+            if impl == "flatshard":
+                flatshard.install_as_torch_fsdp()
+            try:
+                got[state_dict_type, impl] = _run(rank, world_size, use_orig_params, state_dict_type,
+                                                  os.path.join(tmp, f"{state_dict_type}-{impl}"), impl)
+            finally:
+                flatshard.uninstall_as_torch_fsdp()
+    return got
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_accelerate_prepare_bf16_accumulate_save_load_as_torch_fsdp1(use_orig_params, tmp_path):
+    got = run_distributed(_both, 2, use_orig_params, str(tmp_path), timeout=280)[0]
+    torchs = got["SHARDED_STATE_DICT", "torch"]
+    assert torchs["class"] == ("FullyShardedDataParallel", False)
+    expected = torch.tensor(torchs["losses"])
+    assert expected[STEPS - 1] < expected[0], f"loss did not fall: {torchs['losses']}"
+    for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        ours = got[state_dict_type, "flatshard"]
+        assert ours["class"] == ("FullyShardedDataParallel", True)  # torch's class, flatshard's units
+        losses = torch.tensor(ours["losses"])
+        if state_dict_type == "SHARDED_STATE_DICT":  # trained, saved, went on, resumed: torch's losses, bit for bit
+            torch.testing.assert_close(losses, expected, rtol=0, atol=0,
+                                       msg=f"losses {ours['losses']} vs torch {torchs['losses']}")
+        else:  # torch cannot save FULL here: trained as torch, and resumed exactly where the run went on
+            torch.testing.assert_close(losses[:2 * STEPS], expected[:2 * STEPS], rtol=0, atol=0,
+                                       msg=f"losses {ours['losses']} vs torch {torchs['losses']}")
+            torch.testing.assert_close(losses[2 * STEPS:], losses[STEPS:2 * STEPS], rtol=0, atol=0,
+                                       msg=f"resumed {ours['losses']}")
+        assert ours["full"].keys() == torchs["full"].keys()
+        for key, value in ours["full"].items():
+            torch.testing.assert_close(value, torchs["full"][key], rtol=0, atol=0, msg=key)
