@@ -18,6 +18,16 @@ missing=()
 if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]]; then
   # Real models in the tests: HF transformers built from configs (nothing downloaded at run time).
   "$PY" -c "import transformers" 2>/dev/null || missing+=("transformers>=4.40")
+  # Frameworks whose own FSDP1 code the tests run on flatshard (tests/test_framework_*.py).
+  "$PY" -c "import accelerate" 2>/dev/null || missing+=("accelerate>=1.0")
+  # peft 0.21 finds LoRA entries by module names with only a leading _fsdp_wrapped_module removed: with
+  # nested FSDP1 units (verl's LoRA wrapping) it finds none, on torch's FSDP1 as on flatshard.
+  "$PY" -c "import peft, sys; sys.exit(tuple(map(int, peft.__version__.split('.')[:2])) >= (0, 21))" 2>/dev/null ||
+    missing+=("peft>=0.10,<0.21")
+  # verl is installed with --no-deps below; these are what verl.utils.fsdp_utils imports.
+  "$PY" -c "import ray" 2>/dev/null || missing+=("ray")
+  "$PY" -c "import tensordict" 2>/dev/null || missing+=("tensordict>=0.8,<=0.10")
+  "$PY" -c "import omegaconf" 2>/dev/null || missing+=("omegaconf")
 fi
 if [[ "${FLATSHARD_NEEDS_PLOTS:-0}" == 1 ]]; then
   "$PY" -c "import matplotlib" 2>/dev/null || missing+=("matplotlib")
@@ -30,6 +40,10 @@ command -v ninja >/dev/null || missing+=("ninja")
 if ((${#missing[@]})); then
   echo "== installing ${missing[*]}"
   "$PY" -m pip install -q "${missing[@]}"
+fi
+if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]] && ! "$PY" -c "import verl" 2>/dev/null; then
+  echo "== installing verl (--no-deps: its FSDP utilities only)"
+  "$PY" -m pip install -q --no-deps "verl>=0.5"
 fi
 if [[ "${FLATSHARD_BUILD_TESTS:-OFF}" == ON ]] && ! [[ -e /usr/include/gtest/gtest.h ]]; then
   echo "== installing GoogleTest (Debian libgtest-dev)"

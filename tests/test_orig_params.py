@@ -137,6 +137,7 @@ def _train(rank, world_size, impl, cfg) -> dict:
         if cfg["edit"] == "data" and step == 1:
             with torch.no_grad():  # between iterations: in place on one, replacing .data on another
                 for n, p in model.named_parameters():
+                    n = n.replace("_fsdp_wrapped_module.", "")  # (outside summon_full_params, as torch's names)
                     if n.endswith("ln_f.weight"):
                         p.mul_(0.5)
                     if n.endswith("blocks.0.mlp.out.bias"):

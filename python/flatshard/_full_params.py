@@ -2,6 +2,17 @@
 
 Each gathers what it needs through the same scheduler verbs as training
 (unshard, wait, reshard) and leaves nothing unsharded behind.
+
+[Note: Summoned buffers outlive the context]
+Code inside ``summon_full_params`` keeps tensors that alias the full parameters:
+``p.detach().cpu()`` (verl's LoRA and weight export, peft's state dicts) is a copy on a
+GPU but the full buffer itself on a CPU. The runtime's unsharded buffer is freed in
+place when a unit reshards (its storage resized to nothing, as torch's FSDP1 does,
+so that tensors saved for backward do not keep it): such an alias would then read
+freed memory and crash the process. So a sharded unit is summoned into a buffer of
+its own (one all-gather, the same memory while the context lasts), which the
+context only lets go of: without an alias it is freed on exit; an alias kept
+outside keeps its values, as any torch tensor would.
 """
 
 from __future__ import annotations
@@ -142,7 +153,9 @@ def _expose_full_params(unit: FullyShardedDataParallel, options: _Options) -> _S
         return summoned
     if s.use_orig_params:
         _orig_params.writeback(s)
-    gathered_in_place = _computes_as_stored(s)
+    # A replicated unit's buffer is its shard (edits stay); a sharded one's is gathered fresh, not into the
+    # runtime's buffer: see [Note: Summoned buffers outlive the context].
+    gathered_in_place = _computes_as_stored(s) and handle.is_replicated
     if gathered_in_place:
         s.root.scheduler.unshard(handle)
         s.root.scheduler.wait_for_unshard(handle)

@@ -44,8 +44,10 @@ if TYPE_CHECKING:
 def state_dict(unit: FullyShardedDataParallel, args: tuple, destination: Any, prefix: str, keep_vars: bool) -> Any:
     """See ``FullyShardedDataParallel.state_dict``."""
     state = unit._unit_state
-    if state.training_state is TrainingState.SUMMONING or state.plain_state_dict:
+    if state.plain_state_dict:
         return nn.Module.state_dict(unit, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    if state.training_state is TrainingState.SUMMONING:  # the full parameters as they are, under clean names
+        return _summoned_state_dict(unit, args, destination, prefix, keep_vars)
     if args:
         raise ValueError(
             "FullyShardedDataParallel.state_dict: positional arguments are not supported; pass "
@@ -90,6 +92,21 @@ def load_state_dict(unit: FullyShardedDataParallel, state_dict: Any, strict: boo
     return type(result)(
         [clean_name(k) for k in result.missing_keys], [clean_name(k) for k in result.unexpected_keys]
     )
+
+
+def _summoned_state_dict(unit: FullyShardedDataParallel, args: tuple, destination: Any, prefix: str,
+                         keep_vars: bool) -> Any:
+    """Inside ``summon_full_params``: ``nn.Module``'s state dict of the full parameters, with the wrappers' parts
+    taken out of the keys this unit adds (as torch's FSDP1; peft's and verl's LoRA export read these keys)."""
+    out = destination if destination is not None else collections.OrderedDict()
+    before = len(out)
+    nn.Module.state_dict(unit, *args, destination=out, prefix=prefix, keep_vars=keep_vars)
+    added = list(out.items())[before:]
+    for key, _ in added:
+        del out[key]
+    for key, value in added:
+        out[prefix + clean_name(key[len(prefix):])] = value
+    return out
 
 
 _CONFIGS = {

@@ -119,6 +119,14 @@ class TorchAttributes:
     def _is_root(self) -> bool | None:
         return self._unit_state.is_root
 
+    @_is_root.setter
+    def _is_root(self, value: bool) -> None:
+        """verl sets ``_is_root = True`` on a unit around ``FSDP.summon_full_params(unit)`` and back to False, so
+        that torch's summon treats it as a root. flatshard's summon works on any unit as it is: the roles
+        stay (a unit that is not the root cannot become one by assignment; lazy init decides)."""
+        if not isinstance(value, bool):
+            raise TypeError(f"FullyShardedDataParallel._is_root: expected a bool but got {value!r}")
+
     @property
     def _has_params(self) -> bool:
         return self._unit_state.handle is not None

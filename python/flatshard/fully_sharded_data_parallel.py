@@ -53,7 +53,7 @@ from flatshard._common import (
     is_unit,
     join,
 )
-from flatshard._state import UnitState
+from flatshard._state import TrainingState, UnitState
 from flatshard._torch_attributes import TorchAttributes
 from flatshard._torch_internals import missing_attribute
 from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
@@ -299,14 +299,17 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        """Like ``nn.Module.named_parameters``, without the wrapper's prefix in names."""
+        """``nn.Module.named_parameters``; inside ``summon_full_params`` without the wrappers' parts in names
+        (as torch's FSDP1: outside it the names keep ``_fsdp_wrapped_module``)."""
+        clean = self._unit_state.training_state is TrainingState.SUMMONING
         for name, p in nn.Module.named_parameters(self, *args, **kwargs):
-            yield clean_name(name), p
+            yield (clean_name(name) if clean else name), p
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """Like ``nn.Module.named_buffers``, without the wrapper's prefix in names."""
+        """``nn.Module.named_buffers``, names cleaned inside ``summon_full_params`` only (as torch's)."""
+        clean = self._unit_state.training_state is TrainingState.SUMMONING
         for name, b in nn.Module.named_buffers(self, *args, **kwargs):
-            yield clean_name(name), b
+            yield (clean_name(name) if clean else name), b
 
     def check_is_root(self) -> bool:
         """Whether this unit is the root (lazy-initializes if no forward ran yet)."""

@@ -1,0 +1,196 @@
+"""The opt-in that makes torch's FSDP1 class flatshard's (issue 19; [Note: flatshard as torch's FSDP]).
+
+- ``FLATSHARD_AS_TORCH_FSDP=1`` installs it at interpreter start (a fresh interpreter, as a
+  ``torchrun`` worker is), whatever the import order: names bound to torch's class and to
+  torch's ``torch.distributed.checkpoint.state_dict`` helpers before flatshard was imported
+  reach flatshard; without the variable nothing of torch's changes.
+- ``install_as_torch_fsdp()`` late rebinds names already imported, and ``uninstall`` puts
+  back every attribute of torch's class and module as it was.
+- torch's own ``get_state_dict`` / ``set_state_dict`` + DCP under the opt-in at W = 2: the
+  read-back of every entry equals what was saved, and the resumed run trains as the
+  uninterrupted one, bit for bit.
+- torch internals flatshard does not have fail with an error that names them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from _dist import run_distributed
+from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+
+STEPS, SAVE_AT = 5, 3
+
+
+def _python(code: str, opt_in: bool) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "FLATSHARD_AS_TORCH_FSDP"}
+    if opt_in:
+        env["FLATSHARD_AS_TORCH_FSDP"] = "1"
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+_PROBE = """
+    from torch.distributed.checkpoint.state_dict import get_state_dict   # bound before flatshard is imported
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    import torch.distributed.fsdp._runtime_utils as runtime_utils
+    import flatshard, flatshard.checkpoint, flatshard._as_torch as as_torch
+    print(flatshard.is_active(), getattr(FSDP, "_is_flatshard_unit", False),
+          get_state_dict is flatshard.checkpoint.get_state_dict, runtime_utils._lazy_init is as_torch._lazy_init,
+          "_flat_param" in vars(FSDP))
+"""
+
+
+def test_environment_variable_installs_it_at_interpreter_start_whatever_the_import_order():
+    assert _python(_PROBE, opt_in=True) == "True True True True False"
+    assert _python(_PROBE, opt_in=False) == "False False False False True"  # torch's, untouched
+
+
+def test_late_install_rebinds_imported_names_and_uninstall_restores_everything():
+    out = _python("""
+        import types, sys
+        import torch.distributed.checkpoint.state_dict as dsd
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        user = types.ModuleType("user_module"); sys.modules["user_module"] = user
+        exec("from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict", user.__dict__)
+        before_class, before_module = dict(vars(FSDP)), dict(vars(dsd))
+        import flatshard, flatshard.checkpoint
+        flatshard.install_as_torch_fsdp()
+        flatshard.install_as_torch_fsdp()  # idempotent
+        print(user.get_state_dict is flatshard.checkpoint.get_state_dict,
+              dsd.set_state_dict is flatshard.checkpoint.set_state_dict, FSDP.__init__ is flatshard.FSDP.__init__)
+        flatshard.uninstall_as_torch_fsdp()
+        print(flatshard.is_active(), dict(vars(FSDP)) == before_class, dict(vars(dsd)) == before_module,
+              user.get_state_dict is before_module["get_state_dict"])
+    """, opt_in=False)
+    assert out.splitlines() == ["True True True", "False True True True"]
+
+
+def _build(seed: int = 0):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # torch's name
+
+    model = FSDP(make_gpt(seed=seed), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, opt, steps, rank, world_size):
+    losses = []
+    for step in steps:
+        loss = gpt_loss(model, *local_slice(make_batch(seed=1000 + step), rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses
+
+
+def _local_parts(value):
+    """Every tensor of a (nested) state dict as this rank holds it."""
+    if isinstance(value, dict):
+        return {k: _local_parts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_local_parts(v) for v in value]
+    if hasattr(value, "to_local"):
+        return value.to_local().clone()
+    if hasattr(value, "local_tensor"):
+        return value.local_tensor().clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _dsd_round_trip(rank, world_size, path):
+    import flatshard
+
+    flatshard.install_as_torch_fsdp()
+    import torch.distributed.checkpoint.state_dict as dsd  # torch's module: its functions are flatshard's now
+
+    model, opt = _build()
+    losses = _train(model, opt, range(SAVE_AT), rank, world_size)
+    model_sd, optim_sd = dsd.get_state_dict(model, opt)
+    saved = _local_parts({"model": model_sd, "optim": optim_sd})
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    model, opt = _build(seed=7)  # other weights: the checkpoint must replace them
+    model_sd, optim_sd = dsd.get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    dsd.set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model_sd, optim_sd = dsd.get_state_dict(model, opt)
+    read_back = _local_parts({"model": model_sd, "optim": optim_sd})
+    losses += _train(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+    flatshard.uninstall_as_torch_fsdp()
+    return losses, saved, read_back
+
+
+def _assert_equal(got, want, where):
+    assert type(got) is type(want), f"{where}: {type(got)} vs {type(want)}"
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), f"{where}: keys {sorted(got)} vs {sorted(want)}"
+        for key in want:
+            _assert_equal(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_equal(g, w, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), f"{where}: read back {got} vs saved {want}"
+    else:
+        assert got == want, f"{where}: {got!r} vs {want!r}"
+
+
+def _uninterrupted(rank, world_size):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    return _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), range(STEPS), rank,
+                  world_size)
+
+
+def test_torch_get_set_state_dict_with_dcp_under_the_opt_in(tmp_path):
+    reference = run_distributed(_uninterrupted, 2, timeout=120)[0]
+    for losses, saved, read_back in run_distributed(_dsd_round_trip, 2, str(tmp_path / "ckpt"), timeout=120):
+        assert losses == reference, f"resumed {losses} != uninterrupted {reference}"
+        _assert_equal(read_back, saved, "")
+        assert len(saved["model"]) == len(make_gpt().state_dict()) and saved["optim"]["state"]
+
+
+def _internals(rank, world_size):
+    import flatshard
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    flatshard.install_as_torch_fsdp()
+    try:
+        # (Bound after the opt-in: a module's globals bound before it are rebound, a function's locals cannot be.)
+        from torch.distributed.fsdp._runtime_utils import _lazy_init
+
+        model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+        assert type(model) is FSDP and type(model.blocks[0]) is FSDP and flatshard.is_active()
+        _lazy_init(model, model)  # torch's function, as verl calls it
+        assert model._is_root and len(model._all_handles) == 4
+        assert all(m._is_fsdp_managed_module for m in model.module.modules())
+        with pytest.raises(AttributeError, match=r"'_exec_order_data' is torch FSDP1's private state, which "
+                                                 r"flatshard does not have"):
+            model._exec_order_data
+        with pytest.raises(NotImplementedError, match=r"FullyShardedDataParallel._reset_lazy_init is torch FSDP1's "
+                                                      r"internal, which flatshard does not have"):
+            model._reset_lazy_init()
+        with pytest.raises(AttributeError, match=r"has no attribute 'no_such_thing' \(nor has the wrapped 'GPT'\)"):
+            model.no_such_thing
+    finally:
+        flatshard.uninstall_as_torch_fsdp()
+
+
+def test_torch_internals_answer_or_fail_naming_them():
+    run_distributed(_internals, 1, timeout=60)
