@@ -10,9 +10,11 @@ Acceptance (DESIGN.md mechanisms 6-8), from ``torch.profiler`` traces at world s
 - forward_prefetch=True: the all-gather of ``blocks.(i+1)`` starts before
   ``blocks.i``'s forward ends (the order comes from the previous iteration, so the
   second iteration is profiled); with forward_prefetch=False it starts after.
-- no_sync(): no all-gather, reduce-scatter or all-reduce in a backward inside the
-  context, nor an all-gather in a second forward inside it; the first backward
-  outside reduces every unit exactly once.
+- no_sync(): no reduce-scatter or all-reduce in a backward inside the context, whose
+  units are all-gathered again (parameters reshard as outside it, as torch's FSDP1);
+  with ``keep_parameters_unsharded=True`` no collective at all in such a backward, nor
+  an all-gather in a second forward inside it. Either way the first backward outside
+  reduces every unit exactly once.
 - Whatever the prefetch mode, each unit is all-gathered once per forward and once per
   backward (none for the root in backward: it stays unsharded until the end).
 - With ``limit_all_gathers=False`` the trace holds no ``flatshard::rate_limit_wait``
@@ -42,8 +44,8 @@ were validated against torch's FSDP1 (its ``c10d::allgather_`` /
 BACKWARD_PRE, backward_prefetch=None, forward-prefetch (on and off) and gathered-once
 checks, and fails the BACKWARD_POST one on the CPU, where its post-backward hook fires
 only after the next unit's pre-backward gathered it, so its BACKWARD_POST prefetch
-never happens there. no_sync and limiter checks are flatshard's semantics (torch
-re-gathers FULL_SHARD parameters in a no_sync backward).
+never happens there. The limiter checks and ``keep_parameters_unsharded`` are flatshard's
+semantics.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ SCENARIOS = [
     _scenario("pre"),
     _scenario("post_fwd_prefetch", bwd="POST", fwd=True),
     _scenario("no_prefetch", bwd=None),
-    _scenario("no_sync", no_sync=True),
+    _scenario("no_sync", no_sync="default"),
+    _scenario("no_sync_unsharded", no_sync="unsharded"),
     _scenario("no_limit", fwd=True, limit=False),
 ]
 
@@ -136,7 +139,7 @@ def _profile_one(rank, world_size, scenario) -> dict:
 
         def step_no_sync():
             halves = [local_slice((tokens, targets), j, 2) for j in range(2)]
-            with model.no_sync():
+            with model.no_sync(keep_parameters_unsharded=scenario["no_sync"] == "unsharded"):
                 for j in range(2):
                     loss = _phase(f"no_sync_forward.{j}", lambda j=j: gpt_loss(model, *halves[j]))
                     _phase(f"no_sync_backward.{j}", loss.backward)
@@ -313,28 +316,35 @@ def test_without_forward_prefetch_next_block_is_gathered_after_current_forward()
             )
 
 
-def test_no_sync_backward_runs_no_collective():
+def test_no_sync_backward_reduces_nothing_and_gathers_again():
     for t in _each_rank("no_sync"):
+        for j in range(2):
+            phase = f"no_sync_backward.{j}"
+            found = [n for n, _, _ in t.within(phase) if n.startswith(COLLECTIVES[1:])]
+            assert not found, f"{t.where}: gradient collectives in a backward inside no_sync(): {found}"
+            for block in BLOCKS:  # resharded after forward, as outside no_sync: gathered again
+                t.first(phase, f"test::grad_ready {block}")
+                assert t.count(phase, f"flatshard::all_gather {block}") == 1, t.describe(phase)
+
+
+def test_no_sync_keeping_parameters_unsharded_runs_no_collective():
+    for t in _each_rank("no_sync_unsharded"):
         for j in range(2):
             phase = f"no_sync_backward.{j}"
             found = [n for n, _, _ in t.within(phase) if n.startswith(COLLECTIVES)]
             assert not found, f"{t.where}: collectives in a backward inside no_sync(): {found}"
-            # Backward did run there: the markers of every block are in it.
-            for block in BLOCKS:
+            for block in BLOCKS:  # backward did run there: the markers of every block are in it
                 t.first(phase, f"test::grad_ready {block}")
-
-
-def test_no_sync_keeps_parameters_unsharded_across_micro_batches():
-    for t in _each_rank("no_sync"):
         found = [n for n, _, _ in t.within("no_sync_forward.1") if n.startswith(COLLECTIVES)]
         assert not found, (
-            f"{t.where}: the second forward inside no_sync() ran {found}; no_sync keeps the "
-            f"parameters unsharded, so it needs no all-gather"
+            f"{t.where}: the second forward inside no_sync(keep_parameters_unsharded=True) ran {found}; the "
+            f"parameters stay unsharded, so it needs no all-gather"
         )
 
 
-def test_first_backward_after_no_sync_reduces_every_unit_once():
-    for t in _each_rank("no_sync"):
+@pytest.mark.parametrize("scenario", ["no_sync", "no_sync_unsharded"])
+def test_first_backward_after_no_sync_reduces_every_unit_once(scenario):
+    for t in _each_rank(scenario):
         counts = {unit: t.count("sync_backward", _rs(unit)) for unit in [*BLOCKS, ROOT]}
         assert all(c == 1 for c in counts.values()), (
             f"{t.where}: reduce_scatter ranges per unit in the backward after no_sync(): {counts}; "

@@ -136,7 +136,22 @@ def _skips_a_whole_step(rank, world_size):
         model.state_dict()  # the checkpoint at the end
 
 
+def _uneven_accumulation_gathering(rank, world_size):
+    """Inside no_sync() (by default, as torch's FSDP1) units are gathered in every forward: ranks that
+    accumulate different numbers of micro-batches run different collectives."""
+    from flatshard import RankDivergenceError
+
+    model, opt = _trained_one_step(rank, world_size)
+    with pytest.raises(RankDivergenceError, match=r"rank 1 runs forward 4 with grad inside no_sync\(\) while rank 0 "
+                                                  r"runs forward 4 with grad outside no_sync\(\)"):
+        with model.no_sync():
+            for step in range(2 + rank):
+                gpt_loss(model, *local_slice(make_batch(seed=10 + step), rank, world_size)).backward()
+        _step(model, opt, 5, rank, world_size)
+
+
 CASES = {"no_sync_on_one_rank": (_no_sync_on_one_rank, 2),
+         "uneven_accumulation_inside_no_sync": (_uneven_accumulation_gathering, 2),
          "no_grad_forward_on_one_rank": (_no_grad_forward_on_one_rank, 4),
          "rank_skips_batch_after_its_backward_raised": (_skips_batch_after_backward_raised, 2),
          "rank_skips_a_whole_step": (_skips_a_whole_step, 2)}
@@ -248,7 +263,8 @@ def _no_shard_eval_on_rank0(rank, world_size):
 
 def _uneven_accumulation(rank, world_size):
     model, opt = _trained_one_step(rank, world_size)
-    with model.no_sync():  # rank 1 accumulates one micro-batch more: no collective inside no_sync()
+    # rank 1 accumulates one micro-batch more: no collective inside no_sync(keep_parameters_unsharded=True)
+    with model.no_sync(keep_parameters_unsharded=True):
         for step in range(2 + rank):
             gpt_loss(model, *local_slice(make_batch(seed=10 + step), rank, world_size)).backward()
     _step(model, opt, 5, rank, world_size)
@@ -257,7 +273,7 @@ def _uneven_accumulation(rank, world_size):
 LEGITIMATE = {"asymmetric_process_groups": _asymmetric_groups,
               "first_forward_in_inference_mode": _first_forward_in_inference_mode,
               "no_shard_evaluation_on_one_rank": _no_shard_eval_on_rank0,
-              "uneven_accumulation_inside_no_sync": _uneven_accumulation}
+              "uneven_accumulation_keeping_parameters_unsharded": _uneven_accumulation}
 
 
 @pytest.mark.parametrize("case", list(LEGITIMATE))

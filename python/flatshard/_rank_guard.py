@@ -8,8 +8,9 @@ not, its collectives meet theirs mismatched. Then NCCL and gloo hang until the g
 timeout, or gloo kills the process (SIGABRT) on a size mismatch, or, worse, the sizes
 happen to agree and training goes on wrong. So before each phase that issues collectives
 (every call of the root's forward that will all-gather something: a forward of NO_SHARD units
-only, or one inside ``no_sync()`` after the first, gathers nothing and is neither checked nor
-counted; the first backward hook of an iteration outside ``no_sync()``; and ``state_dict()``, ``load_state_dict()``, ``summon_full_params()``,
+only, or one inside ``no_sync(keep_parameters_unsharded=True)`` after the first, gathers nothing and is neither
+checked nor counted; the first backward hook of an iteration (but inside
+``no_sync(keep_parameters_unsharded=True)``, whose backward gathers nothing); and ``state_dict()``, ``load_state_dict()``, ``summon_full_params()``,
 ``clip_grad_norm_()`` and the optimizer-state-dict functions), every rank exchanges a
 fingerprint of what it is about to do: a fixed-size int64 vector (the phase, how many
 forwards the root ran, grad enabled, inside ``no_sync()``, and a hash of the model as

@@ -52,13 +52,15 @@ checkpointing), where only the inner graph can be asked, every live unrun
 use counts as pending.
 
 [Note: no_sync]
-Inside ``no_sync()`` no collective runs in backward: units stay unsharded
-from their first forward on (so backward needs no all-gather) and their
-gradients accumulate unsharded (no reduction). The first backward outside
-the context reduces everything once and reshards. This costs the memory of
-unsharded parameters and gradients during accumulation (as DDP), which is
-what buys zero communication; torch's FSDP1 re-gathers FULL_SHARD parameters
-in backward instead.
+Inside ``no_sync()`` gradients are not reduced: each unit's gradient accumulates
+unsharded (its full size, in ``param_dtype``) until the first backward outside the
+context reduces it once. Parameters reshard and are gathered again as outside the
+context (after forward for FULL_SHARD, after each unit's backward), so the memory
+held across the accumulation is the unsharded gradients only: torch FSDP1's.
+``no_sync(keep_parameters_unsharded=True)`` is the collective-free mode: units stay
+unsharded from their first forward in the context until the first backward outside
+it, so no all-gather runs during the accumulation either, at the cost of every
+unit's unsharded parameters as well (as DDP holds them).
 """
 
 from __future__ import annotations
@@ -327,7 +329,7 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         or (
             s.reshard_after_forward
             and not s.is_root
-            and s.sync_gradients
+            and not s.holds_unsharded
             and not s.replicated  # nothing to free: keep the views for backward
         )
     ):
@@ -339,7 +341,7 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
             root.in_iteration = False
             for u in root.units:
                 us = u._unit_state
-                if us.handle is not None and us.sync_gradients:
+                if us.handle is not None and not us.holds_unsharded:
                     reshard(us)
         return output
     order = root.post_forward_order
@@ -365,7 +367,8 @@ def _hook_outputs(output: Any, hook: Callable) -> None:
 @torch.compiler.disable  # (a compiled forward calls it as it is: the C++ handles are not traceable)
 def _guard_forward(root: RootState) -> None:
     """The guard's check before a forward that will all-gather something (it checks, and counts, only
-    those: NO_SHARD forwards and those inside no_sync() after the first issue no collective, and
+    those: NO_SHARD forwards and those inside no_sync(keep_parameters_unsharded=True) after the first issue no
+    collective, and
     ranks may run different numbers of them)."""
     if root.scheduler.count_sharded(root.sharded_handles):
         root.guard.check(root, "forward")
@@ -399,7 +402,7 @@ def recompute(s: UnitState, args: tuple, kwargs: dict) -> Any:
         root.recomputing
         and handle is not None
         and s.reshard_after_forward
-        and s.sync_gradients
+        and not s.holds_unsharded
         and not s.replicated
     ):
         # Rerunning the whole model must not hold every unit unsharded at once: reshard as
@@ -461,7 +464,7 @@ def _backward_prefetch_target(order: list[UnitState], index: int) -> _C.FlatPara
 def queue_end_of_backward(root: RootState) -> None:
     """Makes finish_backward run when the backward under way ends. Safe to call twice."""
     if not root.final_callback_queued:
-        if root.guard is not None and root.unit._unit_state.sync_gradients:  # see [Note: Rank-divergence guard]
+        if root.guard is not None and not root.unit._unit_state.holds_unsharded:  # see [Note: Rank-divergence guard]
             root.guard.check(root, "backward")
         root.final_callback_queued = True
         root.backward_task = torch._C._current_graph_task_id()
@@ -502,13 +505,14 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
     use.finish()
     if s.use_orig_params:
         _orig_params.note_grads(s, grads)
-    # Reduce (and reshard) once no other use still needs the parameters, unless in no_sync().
-    done = s.sync_gradients and not has_pending_uses(s)
-    hooked = done and s.comm_hook is not None
+    # Reshard once no other use still needs the parameters, and reduce then, unless in no_sync().
+    done = not s.holds_unsharded and not has_pending_uses(s)
+    reduce = done and s.sync_gradients
+    hooked = reduce and s.comm_hook is not None
     ahead = (_backward_prefetch_target(use.order, use.index - 1)
              if done and s.backward_prefetch == BackwardPrefetch.BACKWARD_POST else None)
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
-    resharded = s.root.scheduler.post_backward(s.handle, list(grads), done and not hooked, done,
+    resharded = s.root.scheduler.post_backward(s.handle, list(grads), reduce and not hooked, done,
                                                None if hooked else ahead)
     if not resharded:
         return
@@ -521,7 +525,7 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
 
 def frozen_post_backward(s: UnitState, _grads: Any) -> None:
     s.training_state = POST_BACKWARD
-    if s.sync_gradients:
+    if not s.holds_unsharded:
         reshard(s)
 
 
@@ -544,9 +548,9 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:
         s = unit._unit_state
         s.training_state = IDLE
-        if s.handle is not None and s.sync_gradients:
+        if s.handle is not None and not s.holds_unsharded:
             reshard(s)
-            if s.use_orig_params:
+            if s.use_orig_params and s.sync_gradients:
                 _orig_params.use_grad_views(s)
 
 
@@ -585,15 +589,16 @@ def require_root(unit: FullyShardedDataParallel, torch_phrase: str) -> RootState
 
 
 @contextlib.contextmanager
-def no_sync(root: FullyShardedDataParallel) -> Iterator[None]:
+def no_sync(root: FullyShardedDataParallel, keep_parameters_unsharded: bool = False) -> Iterator[None]:
     """See ``FullyShardedDataParallel.no_sync`` and [Note: no_sync]."""
     states = [u._unit_state for u in require_root(root, "`no_sync()` on inner FSDP instances is not supported. "
                                                         "Please call `no_sync()` on root FSDP module").units]
-    previous = [(s, s.sync_gradients) for s in states]
+    previous = [(s, s.sync_gradients, s.holds_unsharded) for s in states]
     for s in states:
         s.sync_gradients = False
+        s.holds_unsharded = s.holds_unsharded or bool(keep_parameters_unsharded)
     try:
         yield
     finally:
-        for s, value in previous:
-            s.sync_gradients = value
+        for s, synced, held in previous:
+            s.sync_gradients, s.holds_unsharded = synced, held

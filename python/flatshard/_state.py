@@ -110,6 +110,7 @@ class UnitState:
         "uses",  # live uses of the parameters by autograd (see _runtime.Use)
         "placeholders_set",  # whether the modules hold the storage-less placeholders
         "sync_gradients",  # False inside no_sync()
+        "holds_unsharded",  # inside no_sync(keep_parameters_unsharded=True): nothing reshards (see [Note: no_sync])
         "forward_input_dtype",  # what forward inputs are cast to, or None (set at lazy init)
         "comm_hook",  # a user's communication hook, or None
         "comm_hook_state",
@@ -165,6 +166,7 @@ class UnitState:
         self.uses: weakref.WeakSet[Any] = weakref.WeakSet()
         self.placeholders_set = True
         self.sync_gradients = True
+        self.holds_unsharded = False
         self.forward_input_dtype: torch.dtype | None = None
         self.comm_hook: Callable | None = None
         self.comm_hook_state: object = None

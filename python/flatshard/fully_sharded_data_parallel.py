@@ -220,14 +220,18 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _runtime.forward(self, args, kwargs)
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Accumulates gradients locally, with no communication, inside the context.
+    def no_sync(self, keep_parameters_unsharded: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Accumulates gradients locally, with no gradient reduction, inside the context.
 
         Call it on the root. The first backward after leaving the context
-        reduces the accumulated gradients once. See [Note: no_sync] for the
-        memory this costs.
+        reduces the accumulated gradients once. As torch's FSDP1, each unit's
+        gradient is held unsharded meanwhile and parameters are resharded and
+        gathered as outside the context. ``keep_parameters_unsharded=True``
+        (flatshard's) also keeps every unit's parameters unsharded from its first
+        forward in the context on: no collective at all during the accumulation,
+        for the memory of the unsharded parameters too. See [Note: no_sync].
         """
-        return _runtime.no_sync(self)
+        return _runtime.no_sync(self, keep_parameters_unsharded)
 
     def _lazy_init(self) -> None:
         """Makes this unit the root of every unit below it; creates the shared scheduler."""
