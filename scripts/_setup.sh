@@ -20,6 +20,8 @@ if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]]; then
   "$PY" -c "import transformers" 2>/dev/null || missing+=("transformers>=4.40")
   # Frameworks whose own FSDP1 code the tests run on flatshard (tests/test_framework_*.py).
   "$PY" -c "import accelerate" 2>/dev/null || missing+=("accelerate>=1.0")
+  "$PY" -c "import trl" 2>/dev/null || missing+=("trl>=0.20")
+  "$PY" -c "import lightning" 2>/dev/null || missing+=("lightning>=2.2")
   # peft 0.21 finds LoRA entries by module names with only a leading _fsdp_wrapped_module removed: with
   # nested FSDP1 units (verl's LoRA wrapping) it finds none, on torch's FSDP1 as on flatshard.
   "$PY" -c "import peft, sys; sys.exit(tuple(map(int, peft.__version__.split('.')[:2])) >= (0, 21))" 2>/dev/null ||

@@ -150,7 +150,8 @@ def load_per_unit(unit: FullyShardedDataParallel, state_dict: dict[str, Any], pr
                 if key not in full:
                     continue
                 param, value = m._parameters[attr], full[key]
-                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                # (Tensor-likes too: Lightning loads full checkpoints lazily, as tensors read when first used.)
+                if not hasattr(value, "shape") or tuple(value.shape) != tuple(param.shape):
                     raise RuntimeError(
                         f"Error(s) in loading state_dict for {type(unit).__name__}: size mismatch for {key}: "
                         f"copying a param with shape {tuple(getattr(value, 'shape', ()))} from checkpoint, the "

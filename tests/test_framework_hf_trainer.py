@@ -1,0 +1,193 @@
+"""The HF Trainer and TRL's SFTTrainer with FSDP1 (``fsdp_config={"version": 1}``) on flatshard,
+through the opt-in (issue 19).
+
+A tiny Llama built from a config, 4 optimizer steps of the Trainer's own loop (its FSDP1 path:
+accelerate's ``prepare``, its ``FSDP.clip_grad_norm_``, its checkpointing), a checkpoint
+saved at step 2 (FULL_STATE_DICT, model and optimizer through accelerate), then a second
+Trainer resuming from it (``resume_from_checkpoint``). Oracles: torch's FSDP1 running the
+same Trainer without checkpoints (the per-step losses must match within rtol 1e-5, the
+clipping norm's summation order; see tests/test_hf_sft.py), and the resumed run's last
+losses must be those of the run that went on (bit for bit). TRL's ``SFTTrainer`` (a Trainer
+subclass that builds its own dataset pipeline and loss) runs the same way for a few steps
+against torch's FSDP1.
+
+Forcing the FSDP path on CPU: accelerate takes FSDP only on accelerator types (the Trainer
+then runs DDP); the Trainer subclass here sets, after the Trainer made its Accelerator,
+what accelerate sets on a GPU (``distributed_type = FSDP``, the plugin built from the
+Trainer's own ``fsdp_plugin_args``, the device ``cpu``: torch FSDP1 refuses ``cpu:0``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from _dist import run_distributed
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+RTOL = 1e-5
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+
+def _force_fsdp(trainer, full_loads: bool):
+    """See the module docstring: what accelerate's AcceleratorState sets on a GPU machine."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    state = trainer.accelerator.state
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.device = PartialState._shared_state["device"] = torch.device("cpu")
+    # accelerate loads FULL checkpoints only with sync_module_states, which its plugin refuses to take on CPU
+    # (it makes a param_init_fn for the accelerator's device): set after construction, no param_init_fn needed.
+    # (torch's FSDP1 refuses it on CPU: only the runs that load get it.)
+    plugin.sync_module_states = full_loads
+    state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True
+
+
+def _cpu_fsdp(trainer_class, full_loads: bool = False):
+    class CPUFSDPTrainer(trainer_class):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            _force_fsdp(self, full_loads)
+
+    return CPUFSDPTrainer
+
+
+def _args(config_class, out, save: bool, **extra):
+    return config_class(
+        output_dir=out, max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="constant",
+        logging_steps=1, save_strategy="steps" if save else "no", save_steps=2, report_to=[], use_cpu=True,
+        fsdp="full_shard auto_wrap", seed=0, data_seed=0, dataloader_num_workers=0, max_grad_norm=1.0,
+        fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                     "state_dict_type": "FULL_STATE_DICT", "use_orig_params": True,
+                     "sync_module_states": False},  # (accelerate refuses it without an accelerator)
+        **extra)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 128, (16, 12), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+
+
+def _trainer_runs(rank, world_size, tmp):
+    import flatshard
+    from transformers import Trainer, TrainingArguments
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    got = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _reset_accelerate()
+        torch_run = _cpu_fsdp(Trainer)(model=_llama(), args=_args(TrainingArguments, os.path.join(tmp, "t"), False),
+                                       train_dataset=_Tokens())
+        torch_run.train()
+        got["torch"] = _losses(torch_run)
+        flatshard.install_as_torch_fsdp()
+        try:
+            _reset_accelerate()
+            ours = _cpu_fsdp(Trainer, full_loads=True)(model=_llama(), args=_args(TrainingArguments, os.path.join(tmp, "f"), True),
+                                      train_dataset=_Tokens())
+            ours.train()
+            got["flatshard"] = _losses(ours)
+            got["wrapped"] = getattr(ours.model_wrapped, "_is_flatshard_unit", False)
+            _reset_accelerate()
+            resumed = _cpu_fsdp(Trainer, full_loads=True)(model=_llama(), args=_args(TrainingArguments, os.path.join(tmp, "f"), False),
+                                         train_dataset=_Tokens())
+            resumed.train(resume_from_checkpoint=os.path.join(tmp, "f", "checkpoint-2"))
+            got["resumed"] = _losses(resumed)
+        finally:
+            flatshard.uninstall_as_torch_fsdp()
+    return got
+
+
+def test_hf_trainer_fsdp1_trains_saves_and_resumes_as_torch(tmp_path):
+    got = run_distributed(_trainer_runs, 2, str(tmp_path), timeout=280)[0]
+    assert got["wrapped"], "the Trainer's model is not flatshard's"
+    assert len(got["flatshard"]) == len(got["torch"]) == 4
+    torch.testing.assert_close(torch.tensor(got["flatshard"]), torch.tensor(got["torch"]), rtol=RTOL, atol=0,
+                               msg=f"losses {got['flatshard']} vs torch {got['torch']}")
+    # (log_history comes back with the checkpoint: the first two entries are the saved run's)
+    assert got["resumed"] == got["flatshard"], f"resumed {got['resumed']} vs {got['flatshard']}"
+
+
+def _tokenizer():
+    """A word-level tokenizer over the tiny Llama's 128 ids, built in code (nothing downloaded)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(128)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")), pad_token="t0",
+                                   eos_token="t2", unk_token="t1")
+
+
+def _sft_runs(rank, world_size, tmp):
+    import flatshard
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    ids = torch.randint(1, 128, (16, 12), generator=torch.Generator().manual_seed(5)).tolist()
+    data = Dataset.from_dict({"input_ids": ids})
+    got = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for impl in ("torch", "flatshard"):
+            if impl == "flatshard":
+                flatshard.install_as_torch_fsdp()
+            try:
+                _reset_accelerate()
+                args = _args(SFTConfig, os.path.join(tmp, impl), False, dataset_kwargs={"skip_prepare_dataset": False},
+                             packing=False, max_length=12)
+                trainer = _cpu_fsdp(SFTTrainer)(model=_llama(), args=args, train_dataset=data,
+                                                processing_class=_tokenizer())
+                trainer.train()
+                got[impl] = _losses(trainer)
+                got[f"{impl}_is_flatshard"] = getattr(trainer.model_wrapped, "_is_flatshard_unit", False)
+            finally:
+                flatshard.uninstall_as_torch_fsdp()
+    return got
+
+
+def test_trl_sft_trainer_fsdp1_as_torch(tmp_path):
+    pytest.importorskip("trl")
+    got = run_distributed(_sft_runs, 2, str(tmp_path), timeout=280)[0]
+    assert got["flatshard_is_flatshard"] and not got["torch_is_flatshard"]
+    assert len(got["flatshard"]) == len(got["torch"]) == 4
+    torch.testing.assert_close(torch.tensor(got["flatshard"]), torch.tensor(got["torch"]), rtol=RTOL, atol=0,
+                               msg=f"losses {got['flatshard']} vs torch {got['torch']}")
