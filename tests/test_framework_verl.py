@@ -16,9 +16,8 @@ order, which moves the clip coefficient by an ulp; see tests/test_hf_sft.py). to
 state-dict hook segfaults on CPU inside ``collect_lora_params`` and after verl's offload
 round trip (torch 2.13): the LoRA tensors are checked against the unwrapped model's own,
 and the full state dict is taken before the offload. ``collect_lora_params`` with
-``base_sync_done=False`` is not run here: it keeps ``.detach().cpu()`` of the summoned full
-parameters, a copy on a GPU but the summoned buffer itself on a CPU, which both torch and
-flatshard free when the context exits (reading it then crashes); tests/test_gpu.py runs it.
+``base_sync_done=False`` (the whole base model, moved with ``.to("cpu")`` inside
+``summon_full_params``) is checked the same way.
 
 peft is held below 0.21 (scripts/_setup.sh): 0.21 finds LoRA entries by module names with
 only a leading ``_fsdp_wrapped_module`` removed, so with nested FSDP1 units (verl's LoRA wrap
@@ -110,12 +109,15 @@ def _lora(rank, world_size, use_orig_params):
     from verl.utils import fsdp_utils
 
     local = _llama(True)
-    expected = {"whole": get_peft_model_state_dict(local), "layered": get_peft_model_state_dict(local)}
+    expected = {"whole": get_peft_model_state_dict(local), "layered": get_peft_model_state_dict(local),
+                "base": {k.replace(".base_layer", ""): v for k, v in local.base_model.model.state_dict().items()
+                         if "lora_" not in k}}
     model = _wrap(_llama(True), use_orig_params, True)
     got = {}
     for layered in (False, True):
         params = fsdp_utils.collect_lora_params(model, layered_summon=layered, base_sync_done=True)
         got["layered" if layered else "whole"] = {k: v.clone() for k, v in params.items()}
+    got["base"] = {k: v.clone() for k, v in fsdp_utils.collect_lora_params(model, False, False).items()}
     return got, {k: {n: t.detach().clone() for n, t in v.items()} for k, v in expected.items()}
 
 
@@ -158,6 +160,6 @@ def test_verl_fsdp_utils_as_torch_fsdp1(use_orig_params):
         torch_names = {k.replace("_fsdp_wrapped_module._flat_param", "_flat_param"): v
                        for k, v in theirs["sharded"].items()}
         _same(ours["sharded"], torch_names, "fsdp1_sharded_save_to_cpu")
-        for kind in ("whole", "layered"):
+        for kind in ("whole", "layered", "base"):
             assert got["lora"][kind], f"collect_lora_params ({kind}) returned nothing"
             _same(got["lora"][kind], got["lora_expected"][kind], f"collect_lora_params ({kind})")

@@ -74,3 +74,32 @@ def test_summon_options(use_orig_params):
     assert got[1]["rank0_only_shapes"] == got[1]["sharded_shapes"], "rank 1 must keep its sharded state"
     if not use_orig_params:  # rank 1 sees the flat shards, not the original parameters
         assert all(n.endswith("_flat_param") for n in got[1]["rank0_only_names"]), got[1]
+
+
+def _move_inside(rank, world_size, use_orig_params):
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gpt_loss(model, *local_slice(make_batch(), rank, world_size)).backward()
+    opt.step()
+    opt.zero_grad()
+    shards = [p.detach().clone() for p in model.parameters()]
+    with FSDP.summon_full_params(model, writeback=False):
+        want = {n: p.detach().clone() for n, p in model.named_parameters()}
+        inner = model.module.to(torch.float64)  # verl moves the inner module with .to("cpu") here
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+        inner.to(torch.float32)
+    assert {p.dtype for p in got.values()} == {torch.float64}
+    for n, v in want.items():
+        assert torch.equal(got[n], v.double()), n
+    after = [p.detach() for p in model.parameters()]
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(after, shards))
+    gpt_loss(model, *local_slice(make_batch(), rank, world_size)).backward()  # trains on
+    opt.step()
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_module_moved_or_cast_inside_summon_moves_the_full_parameters_only(use_orig_params):
+    """``.to()`` inside the context applies to the full parameters it shows (as torch's); the shards stay."""
+    run_distributed(_move_inside, 2, use_orig_params)

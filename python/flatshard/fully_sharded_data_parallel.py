@@ -247,6 +247,10 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         # .to(), .cuda(), .half(), .double() and friends. A cast (same device) is applied to the
         # shards, as torch's FSDP does; a move would leave the runtime's buffers behind and is refused.
         state = self._unit_state
+        if state.training_state is TrainingState.SUMMONING:
+            # Inside summon_full_params the module holds its full parameters: they move or cast (verl moves
+            # the base model with .to("cpu") there); the shards stay as they are, and writeback copies edits back.
+            return nn.Module._apply(self, fn, recurse)
         flat = state.flat_param
         cast = False
         if flat is not None:
