@@ -8,8 +8,7 @@ Trainer resuming from it (``resume_from_checkpoint``). Oracles: torch's FSDP1 ru
 same Trainer without checkpoints (the per-step losses must match within rtol 1e-5, the
 clipping norm's summation order; see tests/test_hf_sft.py), and the resumed run's last
 losses must be those of the run that went on (bit for bit). TRL's ``SFTTrainer`` (a Trainer
-subclass that builds its own dataset pipeline and loss) runs the same way for a few steps
-against torch's FSDP1.
+subclass with its own dataset pipeline, collator and loss) runs the same way.
 
 Forcing the FSDP path on CPU: accelerate takes FSDP only on accelerator types (the Trainer
 then runs DDP); the Trainer subclass here sets, after the Trainer made its Accelerator,
@@ -164,30 +163,36 @@ def _sft_runs(rank, world_size, tmp):
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     ids = torch.randint(1, 128, (16, 12), generator=torch.Generator().manual_seed(5)).tolist()
     data = Dataset.from_dict({"input_ids": ids})
+
+    def sft(impl, save, resume=None):
+        _reset_accelerate()
+        args = _args(SFTConfig, os.path.join(tmp, impl), save, packing=False, max_length=12)
+        trainer = _cpu_fsdp(SFTTrainer, full_loads=impl == "flatshard")(
+            model=_llama(), args=args, train_dataset=data, processing_class=_tokenizer())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
     got = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for impl in ("torch", "flatshard"):
-            if impl == "flatshard":
-                flatshard.install_as_torch_fsdp()
-            try:
-                _reset_accelerate()
-                args = _args(SFTConfig, os.path.join(tmp, impl), False, dataset_kwargs={"skip_prepare_dataset": False},
-                             packing=False, max_length=12)
-                trainer = _cpu_fsdp(SFTTrainer)(model=_llama(), args=args, train_dataset=data,
-                                                processing_class=_tokenizer())
-                trainer.train()
-                got[impl] = _losses(trainer)
-                got[f"{impl}_is_flatshard"] = getattr(trainer.model_wrapped, "_is_flatshard_unit", False)
-            finally:
-                flatshard.uninstall_as_torch_fsdp()
+        got["torch"] = _losses(sft("torch", save=False))
+        flatshard.install_as_torch_fsdp()
+        try:
+            trainer = sft("flatshard", save=True)
+            got["flatshard"] = _losses(trainer)
+            got["is_flatshard"] = getattr(trainer.model_wrapped, "_is_flatshard_unit", False)
+            got["resumed"] = _losses(sft("flatshard", save=False,
+                                         resume=os.path.join(tmp, "flatshard", "checkpoint-2")))
+        finally:
+            flatshard.uninstall_as_torch_fsdp()
     return got
 
 
-def test_trl_sft_trainer_fsdp1_as_torch(tmp_path):
+def test_trl_sft_trainer_fsdp1_trains_saves_and_resumes_as_torch(tmp_path):
     pytest.importorskip("trl")
     got = run_distributed(_sft_runs, 2, str(tmp_path), timeout=280)[0]
-    assert got["flatshard_is_flatshard"] and not got["torch_is_flatshard"]
+    assert got["is_flatshard"], "the SFTTrainer's model is not flatshard's"
     assert len(got["flatshard"]) == len(got["torch"]) == 4
     torch.testing.assert_close(torch.tensor(got["flatshard"]), torch.tensor(got["torch"]), rtol=RTOL, atol=0,
                                msg=f"losses {got['flatshard']} vs torch {got['torch']}")
+    assert got["resumed"] == got["flatshard"], f"resumed {got['resumed']} vs {got['flatshard']}"

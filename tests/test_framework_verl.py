@@ -8,7 +8,8 @@ host and loaded back mid-training (``offload_fsdp_model_to_cpu`` / ``offload_fsd
 / ``load_fsdp_model_to_gpu`` / ``load_fsdp_optimizer``, which go through torch's
 ``_lazy_init``, ``_all_handles`` and ``handle.flat_param_to``); ``fsdp_version``;
 ``get_fsdp_full_state_dict`` (not offloaded: torch FSDP1 segfaults offloading on CPU);
-``fsdp1_sharded_save_to_cpu``; and, on a peft LoRA model,
+``fsdp1_sharded_save_to_cpu``; the SHARDED export of verl's weight sync (a model with a
+device mesh, each DTensor's ``full_tensor()``); and, on a peft LoRA model,
 ``collect_lora_params`` layered and not. First on torch's FSDP1 (it runs on CPU with
 ``device_id=cpu``), then under ``flatshard.install_as_torch_fsdp()``: every loss and
 tensor must be torch's, within rtol 1e-5 (``clip_grad_norm_`` sums its squares in another
@@ -121,6 +122,27 @@ def _lora(rank, world_size, use_orig_params):
     return got, {k: {n: t.detach().clone() for n, t in v.items()} for k, v in expected.items()}
 
 
+def _sharded_export(rank, world_size, use_orig_params):
+    """verl's FSDP1 workers' weight sync to the rollout engine: a model built with a device mesh, its SHARDED
+    state dict, each entry's ``full_tensor()``. Must be the unwrapped model's weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
+    from torch.distributed.tensor import DTensor
+    from verl.utils.fsdp_utils import get_fsdp_wrap_policy
+
+    local = _llama(False)
+    model = _llama(False)
+    policy = get_fsdp_wrap_policy(model, config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    model = FSDP(model, auto_wrap_policy=policy, use_orig_params=use_orig_params, device_id=torch.device("cpu"),
+                 device_mesh=init_device_mesh("cpu", (world_size,)))
+    FSDP.set_state_dict_type(model, state_dict_type=StateDictType.SHARDED_STATE_DICT,
+                             state_dict_config=ShardedStateDictConfig())
+    params = model.state_dict()
+    assert all(isinstance(v, DTensor) for v in params.values()), {k: type(v) for k, v in params.items()}
+    return {k: v.full_tensor().clone() for k, v in params.items()}, {k: v.clone() for k, v in local.state_dict().items()}
+
+
 def _both(rank, world_size, use_orig_params):
     import flatshard
 
@@ -135,6 +157,7 @@ def _both(rank, world_size, use_orig_params):
                 got[impl]["is_flatshard"] = flatshard.is_active()
                 if impl == "flatshard":
                     got["lora"], got["lora_expected"] = _lora(rank, world_size, use_orig_params)
+                    got["export"], got["export_expected"] = _sharded_export(rank, world_size, use_orig_params)
             finally:
                 flatshard.uninstall_as_torch_fsdp()
     return got
@@ -160,6 +183,7 @@ def test_verl_fsdp_utils_as_torch_fsdp1(use_orig_params):
         torch_names = {k.replace("_fsdp_wrapped_module._flat_param", "_flat_param"): v
                        for k, v in theirs["sharded"].items()}
         _same(ours["sharded"], torch_names, "fsdp1_sharded_save_to_cpu")
+        _same(got["export"], got["export_expected"], "SHARDED state dict, full_tensor()")
         for kind in ("whole", "layered", "base"):
             assert got["lora"][kind], f"collect_lora_params ({kind}) returned nothing"
             _same(got["lora"][kind], got["lora_expected"][kind], f"collect_lora_params ({kind})")
