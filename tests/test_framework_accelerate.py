@@ -4,7 +4,8 @@ Each rank runs accelerate's ``Accelerator.prepare`` (``FullyShardedDataParallelP
 ``fsdp_version=1``, ``mixed_precision="bf16"``, a transformer wrap policy on a tiny
 Llama built from a config), ``accelerator.accumulate`` over 2 micro-batches with
 ``accelerator.backward``, ``save_state`` / ``load_state`` with SHARDED and FULL state
-dicts, and ``get_state_dict``; first on torch's FSDP1, then with
+dicts, and ``get_state_dict``; and, on a model loaded in bf16, accelerate's upcast of each
+flat parameter to fp32 (``param.data = ...``, ``_handle._orig_param_dtype``); first on torch's FSDP1, then with
 ``flatshard.install_as_torch_fsdp()`` on flatshard, in the same ranks. The losses, the
 losses after resuming from the checkpoint, and the full state dict must be torch's (bit
 for bit: accelerate sets the same MixedPrecision for both, and flatshard's mixed
@@ -122,6 +123,20 @@ def _run(rank, world_size, use_orig_params, state_dict_type, ckpt_dir, impl):
     return {"class": kind, "losses": (out / world_size).tolist(), "full": full}
 
 
+def _upcast_run(rank, world_size, use_orig_params):
+    """A model loaded in bf16 (as the Trainer and TRL load them): accelerate's prepare upcasts each flat parameter
+    to fp32 (``param.data = param.data.to(float32)``, then ``_handle._orig_param_dtype``), then trains."""
+    acc = _accelerator(rank, world_size, use_orig_params, "SHARDED_STATE_DICT")
+    g = torch.Generator().manual_seed(99)
+    batches = [torch.randint(0, 128, (8, 16), generator=g).chunk(world_size)[rank]] * STEPS
+    model = acc.prepare(_llama().to(torch.bfloat16))
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    out = torch.stack(_train(acc, model, opt, batches))
+    torch.distributed.all_reduce(out)
+    return {"dtypes": dtypes, "losses": (out / world_size).tolist()}
+
+
 def _both(rank, world_size, use_orig_params, tmp):
     """torch FSDP1 with SHARDED checkpoints (its FULL ones segfault on CPU, see _full_state_dict), then flatshard
     with both."""
@@ -137,6 +152,8 @@ def _both(rank, world_size, use_orig_params, tmp):
             try:
                 got[state_dict_type, impl] = _run(rank, world_size, use_orig_params, state_dict_type,
                                                   os.path.join(tmp, f"{state_dict_type}-{impl}"), impl)
+                if state_dict_type == "SHARDED_STATE_DICT":
+                    got["upcast", impl] = _upcast_run(rank, world_size, use_orig_params)
             finally:
                 flatshard.uninstall_as_torch_fsdp()
     return got
@@ -164,3 +181,8 @@ def test_accelerate_prepare_bf16_accumulate_save_load_as_torch_fsdp1(use_orig_pa
         assert ours["full"].keys() == torchs["full"].keys()
         for key, value in ours["full"].items():
             torch.testing.assert_close(value, torchs["full"][key], rtol=0, atol=0, msg=key)
+    ours, torchs = got["upcast", "flatshard"], got["upcast", "torch"]
+    # (torch's original parameters show the upcast only from their next forward on; flatshard's at once)
+    assert ours["dtypes"] == ["torch.float32"], ours["dtypes"]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(torchs["losses"]), rtol=0, atol=0,
+                               msg=f"bf16-loaded model, upcast: {ours['losses']} vs torch {torchs['losses']}")
