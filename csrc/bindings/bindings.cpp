@@ -110,6 +110,20 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("predivide", &FlatParam::predivide)
       .def_property_readonly("postdivide", &FlatParam::postdivide)
       .def_property_readonly("all_reduce_replicas", &FlatParam::all_reduce_replicas)
+      .def_property_readonly(
+          "collective_bytes",
+          [](const FlatParam& unit) {
+            const auto& b = unit.collective_bytes();
+            py::dict out;
+            out["all_gather"] = b[FlatParam::kGathered];
+            out["reduce_scatter"] = b[FlatParam::kReduceScattered];
+            out["all_reduce"] = b[FlatParam::kAllReduced];
+            out["replica_all_reduce"] = b[FlatParam::kReplicaAllReduced];
+            return out;
+          },
+          "Input bytes of this unit's collectives per kind since the last reset (see [Note: Collective byte "
+          "counters]).")
+      .def("reset_collective_bytes", &FlatParam::reset_collective_bytes)
       .def(
           "accumulate_grad",
           [](FlatParam& self, const std::vector<std::optional<at::Tensor>>& grads) {
@@ -207,4 +221,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("peak_unsharded_bytes", &flatshard::MemoryCounter::peak_unsharded_bytes,
         "Peak of unsharded_bytes() since the last reset_peak_unsharded_bytes().");
   m.def("reset_peak_unsharded_bytes", &flatshard::MemoryCounter::reset_peak);
+  // See [Note: Collective byte counters].
+  m.def(
+      "collective_counts",
+      []() {
+        static const char* kinds[] = {"all_gather", "reduce_scatter", "all_reduce"};
+        py::dict out;
+        for (const auto& [group, counts] : flatshard::collective_counts()) {
+          py::dict per_kind;
+          for (int k = 0; k < flatshard::kCollectiveKinds; ++k) {
+            per_kind[kinds[k]] = py::make_tuple(counts[k].calls, counts[k].bytes);
+          }
+          out[py::str(group)] = per_kind;
+        }
+        return out;
+      },
+      "{process group name: {kind: (calls, input bytes)}} of the runtime's collectives since the last reset.");
+  m.def("reset_collective_counts", &flatshard::reset_collective_counts);
 }

@@ -5,6 +5,10 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/version.h>
 
+#include <array>
+#include <atomic>
+#include <map>
+#include <mutex>
 #include <optional>
 
 // [Note: c10d's names for the single-tensor collectives]
@@ -23,9 +27,68 @@
 
 namespace flatshard {
 
+namespace {
+
+// See [Note: Collective byte counters].
+struct GroupCounters {
+  std::array<std::atomic<std::int64_t>, kCollectiveKinds> calls{};
+  std::array<std::atomic<std::int64_t>, kCollectiveKinds> bytes{};
+};
+
+std::mutex& counters_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// Never freed: a group's counters outlive its Collectives (and are found again by name).
+std::map<std::string, std::shared_ptr<GroupCounters>>& counters_by_group() {
+  static auto* registry = new std::map<std::string, std::shared_ptr<GroupCounters>>();
+  return *registry;
+}
+
+std::shared_ptr<GroupCounters> counters_of(const c10d::ProcessGroup& group) {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  std::shared_ptr<GroupCounters>& counters = counters_by_group()[group.getGroupName()];
+  if (!counters) counters = std::make_shared<GroupCounters>();
+  return counters;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<CollectiveCount>>> collective_counts() {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  std::vector<std::pair<std::string, std::vector<CollectiveCount>>> out;
+  for (const auto& [name, counters] : counters_by_group()) {
+    std::vector<CollectiveCount> kinds(kCollectiveKinds);
+    for (int k = 0; k < kCollectiveKinds; ++k) {
+      kinds[k].calls = counters->calls[k].load(std::memory_order_relaxed);
+      kinds[k].bytes = counters->bytes[k].load(std::memory_order_relaxed);
+    }
+    out.emplace_back(name, std::move(kinds));
+  }
+  return out;
+}
+
+void reset_collective_counts() {
+  std::lock_guard<std::mutex> lock(counters_mutex());
+  for (auto& [name, counters] : counters_by_group()) {
+    for (int k = 0; k < kCollectiveKinds; ++k) {
+      counters->calls[k].store(0, std::memory_order_relaxed);
+      counters->bytes[k].store(0, std::memory_order_relaxed);
+    }
+  }
+}
+
 struct Collectives::Impl {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::optional<bool> cpu_backend_is_gloo;  // looked up on first use
+  std::shared_ptr<GroupCounters> counters;  // see [Note: Collective byte counters]
+
+  void count(CollectiveKind kind, const at::Tensor& input) const {
+    const int k = static_cast<int>(kind);
+    counters->calls[k].fetch_add(1, std::memory_order_relaxed);
+    counters->bytes[k].fetch_add(static_cast<std::int64_t>(input.nbytes()), std::memory_order_relaxed);
+  }
 };
 
 // [Note: gloo's temporaries]
@@ -84,8 +147,9 @@ void CommWork::wait() {
 }
 
 Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : impl_(std::make_unique<Impl>(Impl{std::move(group), std::nullopt})) {
+    : impl_(std::make_unique<Impl>(Impl{std::move(group), std::nullopt, nullptr})) {
   TORCH_CHECK(impl_->group, "flatshard: expected a process group but got None");
+  impl_->counters = counters_of(*impl_->group);
 }
 Collectives::~Collectives() = default;
 Collectives::Collectives(Collectives&&) noexcept = default;
@@ -113,12 +177,14 @@ bool Collectives::holds_reduce_scatter_input(const c10::Device& device) const { 
 
 CommWork Collectives::all_gather(at::Tensor& output, at::Tensor& input) {
   TORCH_INTERNAL_ASSERT(output.numel() == input.numel() * size());
+  impl_->count(CollectiveKind::kAllGather, input);
   auto work = all_gather_single(*impl_->group, output, input);
   return is_cpu_gloo(output.device()) ? track_future(work->getFuture()) : track_work(std::move(work));
 }
 
 CommWork Collectives::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) {
   TORCH_INTERNAL_ASSERT(input.numel() == output.numel() * size());
+  impl_->count(CollectiveKind::kReduceScatter, input);
   if (is_cpu_gloo(output.device())) {
     // See [Note: gloo's temporaries].
     std::vector<at::Tensor> tensors{input};
@@ -144,6 +210,7 @@ CommWork Collectives::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) 
 }
 
 CommWork Collectives::all_reduce_sum(at::Tensor& tensor) {
+  impl_->count(CollectiveKind::kAllReduce, tensor);
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;

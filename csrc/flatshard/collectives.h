@@ -12,6 +12,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace c10d {
 class ProcessGroup;
@@ -38,6 +41,25 @@ class CommWork {
   std::function<bool()> is_completed_;
   bool waited_ = false;
 };
+
+// [Note: Collective byte counters]
+// Every collective the runtime issues adds the bytes of its input (an all-gather: this rank's
+// shard; a reduce-scatter: the whole unsharded gradient; an all-reduce: the tensor) and one
+// call to counters of its kind, per process group (by c10d's group name), so that what ran
+// can be checked against what flatshard.plan predicts. One relaxed atomic add per call: the
+// counters are found once, when the group's Collectives is made. Collectives issued from
+// Python (state dicts, the rank guard) are not counted here.
+enum class CollectiveKind : int { kAllGather = 0, kReduceScatter = 1, kAllReduce = 2 };
+constexpr int kCollectiveKinds = 3;
+
+struct CollectiveCount {
+  std::int64_t calls = 0;
+  std::int64_t bytes = 0;
+};
+
+// group name -> counts per CollectiveKind, since the last reset.
+std::vector<std::pair<std::string, std::vector<CollectiveCount>>> collective_counts();
+void reset_collective_counts();
 
 class Collectives {
  public:

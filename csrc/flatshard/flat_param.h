@@ -53,6 +53,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <atomic>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -144,6 +145,13 @@ class FlatParam {
   // default): the whole flat parameter. Set before the first backward.
   void set_reduce_prefix(std::int64_t numel);
   std::int64_t reduce_prefix() const { return reduce_prefix_; }
+  // Input bytes of the collectives the scheduler issued for this unit, per kind (all-gather,
+  // reduce-scatter, all-reduce over the shard group, all-reduce over the replicate group), since
+  // the last reset: what flatshard.plan predicts per unit (see [Note: Collective byte counters]).
+  enum CollectiveSlot : int { kGathered = 0, kReduceScattered = 1, kAllReduced = 2, kReplicaAllReduced = 3 };
+  void count_collective(CollectiveSlot slot, std::int64_t bytes) { collective_bytes_[slot] += bytes; }
+  const std::array<std::int64_t, 4>& collective_bytes() const { return collective_bytes_; }
+  void reset_collective_bytes() { collective_bytes_.fill(0); }
   // Which of the scheduler's group pairs this unit's collectives use (see [Note: Groups per unit]).
   std::int64_t group_index() const { return group_index_; }
   void set_group_index(std::int64_t index) { group_index_ = index; }
@@ -238,6 +246,7 @@ class FlatParam {
   std::int64_t rank_;
   std::int64_t reduce_prefix_ = -1;  // see [Note: Trainable prefix]
   std::int64_t group_index_ = 0;
+  std::array<std::int64_t, 4> collective_bytes_{};  // by CollectiveSlot
   at::Tensor local_shard_;
   at::Tensor unsharded_;
   at::Tensor all_gather_target_;

@@ -166,6 +166,7 @@ void Scheduler::unshard(FlatParam& unit) {
     // Cast and copied to the device here, on this stream (see [Note: Mixed precision and offload]).
     at::Tensor input = unit.all_gather_input();
     check_sequence(groups_of(unit).shard, unit, "all_gather", input.nbytes());
+    unit.count_collective(FlatParam::kGathered, static_cast<std::int64_t>(input.nbytes()));
     work = std::make_shared<CommWork>(groups_of(unit).shard.all_gather(output, input));
   }
   if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
@@ -237,17 +238,20 @@ void Scheduler::reduce_grad(FlatParam& unit) {
     if (groups.shard.size() > 1) {
       RECORD_USER_SCOPE(unit.all_reduce_range());
       check_sequence(groups.shard, unit, "all_reduce", record.grad_shard.nbytes());
+      unit.count_collective(FlatParam::kAllReduced, static_cast<std::int64_t>(record.grad_shard.nbytes()));
       record.shard_work = groups.shard.all_reduce_sum(record.grad_shard);
     }
   } else if (unit.reduce_prefix() >= 0) {  // see [Note: Trainable prefix] in flat_param.h
     RECORD_USER_SCOPE(unit.all_reduce_range());
     check_sequence(groups.shard, unit, "all_reduce of the trainable prefix", record.flat_grad.nbytes());
+    unit.count_collective(FlatParam::kAllReduced, static_cast<std::int64_t>(record.flat_grad.nbytes()));
     record.prefix_only = true;
     record.shard_work = groups.shard.all_reduce_sum(record.flat_grad);
   } else {
     RECORD_USER_SCOPE(unit.reduce_scatter_range());
     record.grad_shard = at::empty({unit.layout().shard_numel()}, record.flat_grad.options());
     check_sequence(groups.shard, unit, "reduce_scatter", record.flat_grad.nbytes());
+    unit.count_collective(FlatParam::kReduceScattered, static_cast<std::int64_t>(record.flat_grad.nbytes()));
     record.shard_work = groups.shard.reduce_scatter_sum(record.grad_shard, record.flat_grad);
     // The collective holds the input itself (gloo) and drops it when done,
     // rather than when the host next completes reductions.
@@ -292,6 +296,7 @@ void Scheduler::complete_shard_reduction() {
     c10::StreamGuard stream_guard(all_reduce_stream_);
     RECORD_USER_SCOPE(record.unit->all_reduce_range());
     check_sequence(*replicate, *record.unit, "replica all_reduce", record.grad_shard.nbytes());
+    record.unit->count_collective(FlatParam::kReplicaAllReduced, static_cast<std::int64_t>(record.grad_shard.nbytes()));
     record.replica_work = replicate->all_reduce_sum(record.grad_shard);
   }
   replica_reductions_.push_back(std::move(record));

@@ -14,6 +14,7 @@ from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 from flatshard._full_params import summon_full_params as _summon_full_params
 from flatshard._host_offload import move_shards_to_device, move_shards_to_host
 from flatshard import _as_torch
+from flatshard.plan import plan  # (the function; python -m flatshard.plan runs the package)
 
 
 def summon_full_params(module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
@@ -49,5 +50,5 @@ FSDP = FullyShardedDataParallel
 __version__ = "0.1.0"
 
 __all__ = [*api.__all__, "FSDP", "FullyShardedDataParallel", "RankDivergenceError", "install_as_torch_fsdp",
-           "is_active", "move_shards_to_device", "move_shards_to_host", "summon_full_params",
+           "is_active", "move_shards_to_device", "move_shards_to_host", "plan", "summon_full_params",
            "uninstall_as_torch_fsdp", "wrap"]

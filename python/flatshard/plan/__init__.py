@@ -1,0 +1,160 @@
+"""``flatshard.plan``: what a wrap holds and moves per rank at any world size, before running it.
+
+[Note: Planning]
+A plan is made from a model on the meta device (nothing is allocated) and the wrap's
+arguments, by the same code the constructor runs: the auto-wrap plan, each unit's
+parameters, the runtime's own ``FlatParamLayout`` (padding to the shard factor included) and
+the mixed-precision dtypes (see ``_units.py``). From those it reports per unit the input bytes
+of each collective of one training step, exact (``_costs.py``, [Note: What a step moves];
+the runtime counts the same bytes, ``_C.FlatParam.collective_bytes``), and per rank the
+memory flatshard holds (``_costs.py``, [Note: What a rank holds]). ``python -m
+flatshard.plan`` does this from an HF config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Iterable
+
+from torch import nn
+
+from flatshard.api import CPUOffload, MixedPrecision, ShardingStrategy
+from flatshard.plan._costs import RankMemory, UnitTraffic, rank_memory, unit_traffic
+from flatshard.plan._units import PlannedUnit, planned_units
+
+__all__ = ["Plan", "plan"]
+
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+@dataclasses.dataclass
+class Plan:
+    """The outcome of ``plan``: per unit and per rank (bytes)."""
+
+    world_size: int
+    sharding_strategy: ShardingStrategy
+    shard_group_size: int
+    replicate_group_size: int
+    units: list[PlannedUnit]
+    traffic: list[UnitTraffic]  # per unit, one step
+    memory: RankMemory
+
+    @property
+    def total_numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def step_bytes(self) -> dict[str, int]:
+        """Input bytes of one step's collectives per kind, summed over units (per rank)."""
+        out: dict[str, int] = {}
+        for traffic in self.traffic:
+            for kind, n in traffic.as_dict().items():
+                out[kind] = out.get(kind, 0) + n
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "sharding_strategy": self.sharding_strategy.name,
+            "shard_group_size": self.shard_group_size,
+            "replicate_group_size": self.replicate_group_size,
+            "parameters": self.total_numel,
+            "units": [
+                {"name": u.name or "<root>", "numel": u.numel, "padded_numel": u.layout.padded_numel,
+                 "shard_numel": u.layout.shard_numel, "param_dtype": str(u.param_dtype).removeprefix("torch."),
+                 "reduce_dtype": str(u.reduce_dtype).removeprefix("torch."), "collective_bytes": t.as_dict()}
+                for u, t in zip(self.units, self.traffic)
+            ],
+            "step_collective_bytes": self.step_bytes(),
+            "memory_per_rank": self.memory.as_dict(),
+        }
+
+    def table(self) -> str:
+        """A terminal table: memory per rank, then bytes per unit (identical units folded into one row)."""
+        gib = 1024 ** 3
+        m = self.memory
+        lines = [
+            f"flatshard plan: {self.total_numel / 1e9:.3f} B parameters, {len(self.units)} units, "
+            f"{self.sharding_strategy.name} at world size {self.world_size} "
+            f"(shard groups of {self.shard_group_size}, replicated {self.replicate_group_size}x)",
+            "",
+            "memory per rank                      GiB",
+            f"  sharded parameters         {m.sharded_params / gib:12.3f}",
+            f"  gradients (sharded)        {m.gradients / gib:12.3f}",
+            f"  optimizer state            {m.optimizer_state / gib:12.3f}",
+            f"    of which on the host     {m.on_host / gib:12.3f}",
+            f"  unsharded, forward worst   {m.unsharded_forward / gib:12.3f}",
+            f"  unsharded, backward worst  {m.unsharded_backward / gib:12.3f}",
+        ]
+        if m.no_sync_gradients:
+            lines.append(f"    held across no_sync()    {m.no_sync_gradients / gib:12.3f}")
+        lines.append(f"  activations                {'not measured' if m.activations is None else f'{m.activations / gib:12.3f}'}")
+        lines.append(f"  device peak (flatshard's)  {m.device_peak / gib:12.3f}")
+        lines += ["", "collective input bytes per step, per rank (MiB)",
+                  f"  {'unit':<28}{'x':>4}{'all_gather':>14}{'reduce_scatter':>16}{'all_reduce':>12}{'replica':>10}"]
+        rows: list[tuple[str, int, dict[str, int]]] = []
+        for u, t in zip(self.units, self.traffic):
+            label = _fold(u.name)
+            if rows and rows[-1][0] == label and rows[-1][2] == t.as_dict():
+                rows[-1] = (label, rows[-1][1] + 1, rows[-1][2])
+            else:
+                rows.append((label, 1, t.as_dict()))
+        mib = 1024 ** 2
+        for label, count, b in rows:
+            lines.append(f"  {label:<28}{count:>4}{b['all_gather'] / mib:14.2f}{b['reduce_scatter'] / mib:16.2f}"
+                         f"{b['all_reduce'] / mib:12.2f}{b['replica_all_reduce'] / mib:10.2f}")
+        total = self.step_bytes()
+        lines.append(f"  {'total':<32}{total['all_gather'] / mib:14.2f}{total['reduce_scatter'] / mib:16.2f}"
+                     f"{total['all_reduce'] / mib:12.2f}{total['replica_all_reduce'] / mib:10.2f}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+
+def _fold(name: str) -> str:
+    """``model.layers.17`` -> ``model.layers.*`` (identical layers fold into one row)."""
+    parts = ["*" if part.isdigit() else part for part in name.split(".")] if name else ["<root>"]
+    return ".".join(parts)
+
+
+def plan(
+    model: nn.Module,
+    world_size: int,
+    *,
+    auto_wrap_policy: Any = None,
+    sharding_strategy: ShardingStrategy | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: CPUOffload | None = None,
+    use_orig_params: bool = False,
+    ignored_modules: Iterable[nn.Module] = (),
+    optimizer: str = "adamw",
+    ranks_per_host: int = 8,
+    no_sync: bool = False,
+    activation_bytes: int | None = None,
+) -> Plan:
+    """What ``FullyShardedDataParallel(model, ...)`` at ``world_size`` ranks holds and moves per rank (see
+    [Note: Planning]). ``model`` may be on the meta device. Hybrid strategies shard within groups of
+    ``ranks_per_host`` (flatshard's default: the ranks of a host). ``optimizer``: "adamw", "adam", "sgd",
+    "sgd_momentum" or "none". ``no_sync``: the memory of accumulating with ``no_sync()``.
+    ``activation_bytes``: the activations of one step on one rank, if measured (else left out)."""
+    if world_size < 1:
+        raise ValueError(f"flatshard.plan: world_size: expected >= 1 but got {world_size}")
+    strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
+    if strategy in _HYBRID:
+        if world_size % ranks_per_host:
+            raise ValueError(f"flatshard.plan: hybrid sharding: expected the world size {world_size} to be a multiple "
+                             f"of ranks_per_host ({ranks_per_host})")
+        shard_group, replicate_group = ranks_per_host, world_size // ranks_per_host
+    else:
+        shard_group, replicate_group = world_size, 1
+    offload = bool(cpu_offload is not None and cpu_offload.offload_params)
+    shard_factor = 1 if strategy == ShardingStrategy.NO_SHARD else shard_group
+    units = planned_units(model, shard_factor, strategy, auto_wrap_policy, mixed_precision, offload,
+                          use_orig_params, ignored_modules)
+    traffic = [unit_traffic(u, shard_group, replicate_group) for u in units]
+    memory = rank_memory(units, optimizer, offload, no_sync, activation_bytes)
+    return Plan(world_size, strategy, shard_group, replicate_group, units, traffic, memory)

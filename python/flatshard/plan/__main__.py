@@ -1,0 +1,68 @@
+"""``python -m flatshard.plan``: a plan from an HF config, without allocating the model.
+
+    python -m flatshard.plan --hf-config path/to/config.json --world-size 64 \\
+        [--strategy FULL_SHARD] [--mixed-precision bf16] [--cpu-offload] [--optimizer adamw] \\
+        [--wrap LlamaDecoderLayer] [--ranks-per-host 8] [--no-sync] [--json]
+
+The model is built on the meta device from the config (``transformers``, nothing downloaded);
+``--wrap`` names the classes to make units of (default: the model's ``_no_split_modules``,
+its decoder layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flatshard.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-config", required=True, help="an HF model config.json (nothing is downloaded)")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--strategy", default="FULL_SHARD",
+                        help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or _HYBRID_SHARD_ZERO2")
+    parser.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default="none",
+                        help="param_dtype and reduce_dtype (torch's MixedPrecision)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="the parameters' dtype")
+    parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_momentum or none")
+    parser.add_argument("--wrap", nargs="*", help="module classes to make units of (default: _no_split_modules)")
+    parser.add_argument("--ranks-per-host", type=int, default=8, help="hybrid sharding's shard group size")
+    parser.add_argument("--use-orig-params", action="store_true")
+    parser.add_argument("--no-sync", action="store_true", help="the memory of accumulating with no_sync()")
+    parser.add_argument("--json", action="store_true", help="JSON instead of the table")
+    args = parser.parse_args(argv)
+
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flatshard import plan as make_plan
+    from flatshard.api import CPUOffload, MixedPrecision, ShardingStrategy
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    config = AutoConfig.from_pretrained(args.hf_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtypes[args.dtype])
+    wrap_names = args.wrap or list(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in wrap_names}
+    if wrap_names and not classes:
+        parser.error(f"--wrap: no module of the model is a {', '.join(wrap_names)}")
+    mixed = None if args.mixed_precision == "none" else MixedPrecision(
+        param_dtype=dtypes[args.mixed_precision], reduce_dtype=dtypes[args.mixed_precision])
+    try:
+        strategy = ShardingStrategy[args.strategy]
+    except KeyError:
+        parser.error(f"--strategy: expected one of {[s.name for s in ShardingStrategy]} but got {args.strategy!r}")
+    result = make_plan(
+        model, args.world_size, auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
+        sharding_strategy=strategy, mixed_precision=mixed, cpu_offload=CPUOffload(offload_params=args.cpu_offload),
+        use_orig_params=args.use_orig_params, optimizer=args.optimizer, ranks_per_host=args.ranks_per_host,
+        no_sync=args.no_sync)
+    print(result.dumps() if args.json else result.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

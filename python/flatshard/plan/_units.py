@@ -1,0 +1,110 @@
+"""Which units a wrap makes, what each holds and how it is laid out, without wrapping anything.
+
+The same decisions the constructor makes (see ``FullyShardedDataParallel.__init__`` and
+``_construction.build_flat_param``), read off a module on the meta device: the auto-wrap
+plan (``wrap._plan_wraps``, per-unit overrides included), each unit's parameters (its
+subtree minus inner units and ignored modules, shared parameters once), the layout of its
+flat parameter from the runtime's own ``FlatParamLayout`` (padding included), and the
+dtypes it gathers and reduces in (``_mixed_precision.flat_param_dtypes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from flatshard import _C, _mixed_precision
+from flatshard._common import RESHARD_AFTER_FORWARD
+from flatshard.api import MixedPrecision, ShardingStrategy
+from flatshard.wrap import _plan_wraps
+
+
+@dataclasses.dataclass
+class PlannedUnit:
+    """One unit as the constructor would make it."""
+
+    name: str  # its path under the root ("" for the root)
+    numel: int  # its parameters' elements (shared ones once)
+    trainable_numel: int  # of which require grad
+    layout: Any  # _C.FlatParamLayout
+    dtype: torch.dtype  # the parameters' (and the shard's) dtype
+    param_dtype: torch.dtype  # what it gathers and computes in
+    reduce_dtype: torch.dtype  # what its gradient is reduced in
+    is_root: bool
+    reshard_after_forward: bool
+    reduces_prefix: bool  # use_orig_params with frozen and trainable parameters: an all-reduce of the prefix
+
+    @property
+    def replicated(self) -> bool:
+        return self.layout.shard_factor == 1
+
+
+def planned_units(
+    model: nn.Module,
+    shard_factor: int,
+    strategy: ShardingStrategy,
+    auto_wrap_policy: Any = None,
+    mixed_precision: MixedPrecision | None = None,
+    offload_params: bool = False,
+    use_orig_params: bool = False,
+    ignored_modules: Iterable[nn.Module] = (),
+) -> list[PlannedUnit]:
+    """The units of ``FullyShardedDataParallel(model, ...)``, the root first, then in module order."""
+    ignored = {m for top in ignored_modules for m in top.modules()}
+    ignored_params = {p for m in ignored for p in m.parameters(recurse=False)}
+    overrides: dict[nn.Module, dict[str, Any]] = {model: {}}
+    if auto_wrap_policy is not None:
+        individually = _mixed_precision.individually_wrapped(mixed_precision)
+        for target, extra in _plan_wraps(model, auto_wrap_policy, ignored, ignored_params, lambda m: False,
+                                         individually):
+            overrides[target] = extra
+    names = {m: name for name, m in model.named_modules(remove_duplicate=False)}
+    units = []
+    for target in sorted(overrides, key=lambda m: list(names).index(m) if m in names else -1):
+        params = _unit_params(target, set(overrides) - {target}, ignored, ignored_params)
+        if not params:
+            continue
+        extra = overrides[target]
+        unit_strategy = extra.get("sharding_strategy", strategy)
+        factor = 1 if unit_strategy == ShardingStrategy.NO_SHARD else shard_factor
+        unit_mp = extra.get("mixed_precision", mixed_precision)
+        dtype = params[0].dtype
+        dtypes = _mixed_precision.flat_param_dtypes(unit_mp, dtype, factor == 1, offload_params, names[target])
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        units.append(PlannedUnit(
+            name=names[target],
+            numel=sum(p.numel() for p in params),
+            trainable_numel=trainable,
+            layout=_C.FlatParamLayout([list(p.shape) for p in params], factor),
+            dtype=dtype,
+            param_dtype=dtypes["param_dtype"] or dtype,
+            reduce_dtype=dtypes["reduce_dtype"] or dtype,
+            is_root=target is model,
+            reshard_after_forward=unit_strategy in RESHARD_AFTER_FORWARD,
+            reduces_prefix=(use_orig_params and 0 < trainable < sum(p.numel() for p in params) and factor > 1),
+        ))
+    return units
+
+
+def _unit_params(target: nn.Module, other_units: set[nn.Module], ignored: set[nn.Module],
+                 ignored_params: set[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters ``target``'s unit owns, trainable ones first (as build_flat_param orders them)."""
+    seen: set[int] = set()
+    params: list[nn.Parameter] = []
+    stack = [target]
+    visited: set[int] = set()
+    while stack:
+        module = stack.pop()
+        if id(module) in visited or module in ignored:
+            continue
+        visited.add(id(module))
+        for p in module._parameters.values():
+            if p is not None and p not in ignored_params and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        stack.extend(reversed([c for c in module.children() if c not in other_units]))
+    return sorted(params, key=lambda p: not p.requires_grad)
+

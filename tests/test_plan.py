@@ -1,0 +1,148 @@
+"""``flatshard.plan`` (issue 20): planned collective bytes per unit equal what the runtime counts.
+
+Each rank wraps the tests' GPT (and a model whose units need padding) for every strategy
+(FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD with shard groups of 2 at W = 4), in fp32
+and with bf16 mixed precision, at W = 1, 2, 4 over gloo; runs one training step after
+resetting the runtime's counters ([Note: Collective byte counters]); and compares each
+unit's counted input bytes per kind with ``flatshard.plan`` of the same model built on the
+meta device: equal, byte for byte. The process group's totals (``_C.collective_counts``)
+must equal the sum over units. ``python -m flatshard.plan`` on Llama-3-8B- and 70B-shaped
+configs is checked against totals computed by hand here, and must run in under 10 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from _dist import run_distributed
+from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+
+STRATEGIES = [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,
+              ShardingStrategy.HYBRID_SHARD]
+
+
+class _Odd(nn.Module):
+    """Units of 3x2+3 and 3+6 elements: padded at W = 2 and 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(2, 3), nn.Tanh())
+        self.head = nn.Linear(3, 1, bias=False)
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        return (self.head(self.inner(x)) * self.scale.sum()).sum()
+
+
+def _build(kind, device=None):
+    with torch.device(device or "cpu"):
+        if kind == "gpt":
+            return make_gpt() if device is None else type(make_gpt())(64, 16, 3, 4, 16), ModuleWrapPolicy({Block})
+        torch.manual_seed(0)
+        return _Odd(), ModuleWrapPolicy({nn.Sequential})
+
+
+def _loss(kind, model, rank, world_size):
+    if kind == "gpt":
+        return gpt_loss(model, *local_slice(make_batch(), rank, world_size))
+    return model(torch.randn(4, 2, generator=torch.Generator().manual_seed(rank)))
+
+
+def _counted(rank, world_size):
+    import flatshard
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import _C
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(min(2, world_size))  # hybrid: shard groups of 2
+    out = []
+    for kind in ("gpt", "odd"):
+        for strategy in STRATEGIES:
+            for mixed in (None, MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)):
+                module, policy = _build(kind)
+                model = FSDP(module, auto_wrap_policy=policy, sharding_strategy=strategy, mixed_precision=mixed,
+                             device_id=torch.device("cpu"))
+                _loss(kind, model, rank, world_size).backward()  # lazy init, first iteration
+                units = [u for u in FSDP.fsdp_modules(model) if u._unit_state.handle is not None]
+                for u in units:
+                    u._unit_state.handle.reset_collective_bytes()
+                _C.reset_collective_counts()
+                _loss(kind, model, rank, world_size).backward()
+                counted = {u._unit_state.name: u._unit_state.handle.collective_bytes for u in units}
+                groups = _C.collective_counts()
+                meta_module, meta_policy = _build(kind, "meta")
+                planned = flatshard.plan(meta_module, world_size, auto_wrap_policy=meta_policy,
+                                         sharding_strategy=strategy, mixed_precision=mixed,
+                                         ranks_per_host=min(2, world_size))
+                out.append({"case": f"{kind} {strategy.name} {'bf16' if mixed else 'fp32'}", "counted": counted,
+                            "planned": {u.name: t.as_dict() for u, t in zip(planned.units, planned.traffic)},
+                            "group_bytes": {kind_: sum(v[kind_][1] for v in groups.values())
+                                            for kind_ in ("all_gather", "reduce_scatter", "all_reduce")}})
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_planned_collective_bytes_equal_counted_bytes(world_size):
+    for rank, cases in enumerate(run_distributed(_counted, world_size, timeout=240)):
+        for case in cases:
+            where = f"rank {rank}, W={world_size}, {case['case']}"
+            assert case["planned"] == case["counted"], f"{where}: planned {case['planned']} vs counted {case['counted']}"
+            totals = {k: sum(b[k] for b in case["counted"].values()) for k in ("all_gather", "reduce_scatter")}
+            totals["all_reduce"] = sum(b["all_reduce"] + b["replica_all_reduce"] for b in case["counted"].values())
+            assert totals == case["group_bytes"], f"{where}: per unit {totals} vs per group {case['group_bytes']}"
+
+
+def _llama_config(tmp_path, name, vocab, hidden, intermediate, layers, heads, kv_heads):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 8192, "tie_word_embeddings": False}))
+    return str(path)
+
+
+LLAMAS = {  # name: (vocab, hidden, intermediate, layers, heads, kv_heads)
+    "llama3_8b": (128256, 4096, 14336, 32, 32, 8),
+    "llama3_70b": (128256, 8192, 28672, 80, 64, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(LLAMAS))
+def test_cli_on_llama_shapes_matches_hand_computed_totals(name, tmp_path):
+    pytest.importorskip("transformers")
+    vocab, hidden, inter, layers, heads, kv = LLAMAS[name]
+    world = 64
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "flatshard.plan", "--hf-config",
+                           _llama_config(tmp_path, name, *LLAMAS[name]), "--world-size", str(world),
+                           "--mixed-precision", "bf16", "--json"], capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    # By hand: a decoder layer is q, k, v, o, the MLP's three projections and two norms; the root holds the
+    # embedding, the head and the final norm.
+    kv_dim = hidden // heads * kv
+    layer = hidden * hidden * 2 + hidden * kv_dim * 2 + 3 * hidden * inter + 2 * hidden
+    root = 2 * vocab * hidden + hidden
+    assert got["parameters"] == layers * layer + root
+    assert name != "llama3_8b" or got["parameters"] == 8_030_261_248
+    assert name != "llama3_70b" or got["parameters"] == 70_553_706_496
+    padded = lambda n: -(-n // world) * world  # noqa: E731
+    shard = layers * padded(layer) // world + padded(root) // world
+    memory = got["memory_per_rank"]
+    assert memory["sharded_params"] == shard * 4
+    assert memory["optimizer_state"] == 2 * shard * 4  # AdamW: two fp32 tensors the shard's size
+    step = got["step_collective_bytes"]
+    # bf16 all-gathers: each layer twice (forward, backward), the root once; bf16 reduce-scatters of the padded units.
+    assert step["all_gather"] == 2 * (layers * 2 * padded(layer) // world + padded(root) // world)
+    assert step["reduce_scatter"] == 2 * (layers * padded(layer) + padded(root))
+    assert elapsed < 10, f"python -m flatshard.plan took {elapsed:.1f} s"
