@@ -6,7 +6,8 @@ and with bf16 mixed precision, at W = 1, 2, 4 over gloo; runs one training step 
 resetting the runtime's counters ([Note: Collective byte counters]); and compares each
 unit's counted input bytes per kind with ``flatshard.plan`` of the same model built on the
 meta device: equal, byte for byte. The process group's totals (``_C.collective_counts``)
-must equal the sum over units. ``python -m flatshard.plan`` on Llama-3-8B- and 70B-shaped
+must equal the sum over units. The same under torch's fake process group at W = 8, 64, 1024
+(tests/scripts/plan_under_fake_pg.py). ``python -m flatshard.plan`` on Llama-3-8B- and 70B-shaped
 configs is checked against totals computed by hand here, and must run in under 10 s.
 """
 
@@ -146,3 +147,16 @@ def test_cli_on_llama_shapes_matches_hand_computed_totals(name, tmp_path):
     assert step["all_gather"] == 2 * (layers * 2 * padded(layer) // world + padded(root) // world)
     assert step["reduce_scatter"] == 2 * (layers * padded(layer) + padded(root))
     assert elapsed < 10, f"python -m flatshard.plan took {elapsed:.1f} s"
+
+
+def test_planned_bytes_equal_counted_bytes_under_the_fake_process_group():
+    """One process as rank 3 of W = 8, 64, 1024 (torch's fake process group; the rank guard and the exit drain
+    run as they do for real, see [Note: The guard under a fake process group]); hybrid with shard groups of 8."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "plan_under_fake_pg.py")
+    done = subprocess.run([sys.executable, script, "8", "64", "1024"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(cases) == 3 * 4 * 2, done.stdout[-2000:]
+    for case in cases:
+        assert case["counted"] and case["planned"] == case["counted"], (
+            f"{case['case']}: planned {case['planned']} vs counted {case['counted']}")

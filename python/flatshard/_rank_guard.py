@@ -63,6 +63,13 @@ _PHASES = ["forward", "backward", "state_dict()", "load_state_dict()", "summon_f
 _WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), reserved (2)
 
 
+# [Note: The guard under a fake process group]
+# Under torch's fake process group (backend "fake", torch.testing._internal.distributed.fake_pg:
+# one process plays one rank of a large job, every collective returns at once and writes
+# nothing) there are no peers to disagree with and no store to rendezvous a gloo group on. The
+# guard then exchanges over the fake group itself (so that the step issues what it would) and
+# takes every peer's fingerprint to be its own: the simulated peers run the same script.
+
 _GUARDS_MADE: dict[tuple[int, ...], int] = {}
 
 
@@ -139,8 +146,11 @@ class RankGuard:
             ranks = {r for group in theirs for r in group}
         self.ranks = sorted(ranks)
         self.group = None
+        # See [Note: The guard under a fake process group].
+        self.simulated = dist.get_backend(top.process_group) == "fake"
         if len(self.ranks) > 1:
-            self.group = _guard_group(self.ranks, group_timeout(top.process_group))
+            self.group = (top.process_group if self.simulated else
+                          _guard_group(self.ranks, group_timeout(top.process_group)))
         self.forwards = 0
         self._model: tuple[list[int], list[Any]] | None = None
         with torch.inference_mode(False):  # (a first forward under inference_mode must not make these inference tensors)
@@ -172,6 +182,8 @@ class RankGuard:
                 f"in other work (e.g. a collective this rank skipped, or a barrier), or has died. ({e})"
             ) from e
         rows = self._all.view(len(self.ranks), _WIDTH)
+        if self.simulated:  # every simulated peer does what this rank does
+            rows.copy_(self._mine.expand_as(rows))
         if bool((rows == rows[0]).all()):
             return
         mine = {"phase": phase, "doing": doing, "forwards": self.forwards, "grad": grad, "no_sync": no_sync,
