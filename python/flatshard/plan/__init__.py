@@ -140,7 +140,8 @@ def plan(
     [Note: Planning]). ``model`` may be on the meta device. Hybrid strategies shard within groups of
     ``ranks_per_host`` (flatshard's default: the ranks of a host). ``optimizer``: "adamw", "adam", "sgd",
     "sgd_momentum" or "none". ``no_sync``: the memory of accumulating with ``no_sync()``.
-    ``activation_bytes``: the activations of one step on one rank, if measured (else left out)."""
+    ``activation_bytes``: what one step of the unwrapped model on one rank's batch holds beyond its parameters,
+    gradients and optimizer state (its measured peak less its gradients), if measured (else left out)."""
     if world_size < 1:
         raise ValueError(f"flatshard.plan: world_size: expected >= 1 but got {world_size}")
     strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy

@@ -25,7 +25,9 @@ from its forward to its backward; in backward the unit's unsharded gradient
 (``param_dtype``) and its reduction's input (``reduce_dtype``, when that differs) and output.
 Inside ``no_sync()`` every unit's unsharded gradient is held until the reduction
 (``keep_parameters_unsharded=True``: the unsharded parameters too). Activations are the
-model's and not flatshard's: they come from a measured step when one is given.
+model's and not flatshard's: they come from a measured step when one is given (the peak of a
+plain local step on one rank's batch, less the gradients it made: its parameters and optimizer
+state were there before).
 """
 
 from __future__ import annotations
@@ -148,10 +150,13 @@ def _unsharded_bytes(unit: PlannedUnit, offload_params: bool) -> int:
 
 
 def _backward_grad_bytes(unit: PlannedUnit) -> int:
-    """In a unit's backward: its unsharded gradient, the reduction's input if cast, and the output shard."""
+    """In a unit's backward, beyond its gradient shard: autograd's gradients of its parameters (until they are
+    flattened), its unsharded gradient (a replicated unit's becomes the shard's gradient itself) and the
+    reduction's input when it is cast to ``reduce_dtype``."""
     if not unit.trainable_numel:
         return 0
     layout = unit.layout
-    grad = layout.padded_numel * _size(unit.param_dtype)
+    autograd = unit.trainable_numel * _size(unit.param_dtype)
+    grad = 0 if unit.replicated else layout.padded_numel * _size(unit.param_dtype)
     cast = layout.padded_numel * _size(unit.reduce_dtype) if unit.reduce_dtype != unit.param_dtype else 0
-    return grad + cast + layout.shard_numel * _size(unit.reduce_dtype)
+    return autograd + grad + cast
