@@ -4,7 +4,7 @@ For the tests' GPT (4 blocks of 128 wide, fp32, AdamW) at W = 1, 2, 4 over gloo 
 FULL_SHARD, SHARD_GRAD_OP, NO_SHARD: the measured peak of one step (what is held between steps, plus
 the highest C-allocator count seen after any op during the step: tests/test_no_sync_memory.py's
 tracker) against ``flatshard.plan(...).memory.device_peak``, whose activation term is measured from
-a plain local step on the rank's batch (its peak less its gradients). Prints one line per case with
+a plain local forward and backward on the rank's batch (its peak less its gradients). Prints one line per case with
 planned / measured. Run: python benchmarks/plan_memory.py
 """
 import gc
@@ -45,13 +45,15 @@ def run(rank, ws, strategy):
     from flatshard import FullyShardedDataParallel as FSDP
 
     batch = local_slice(make_batch(batch=8, seq=8, vocab=64), rank, ws)
-    # activations: a plain local step, less what it holds of parameters, gradients and optimizer state
+    # activations: a plain local forward and backward, less the gradients it made
     local = gpt()
-    lopt = torch.optim.AdamW(local.parameters())
-    p_local = peak(step_fn(local, lopt, batch))
-    nbytes = sum(p.numel() * 4 for p in local.parameters())
-    act = p_local - nbytes  # the peak above the start, less the gradients it made
-    del local, lopt
+    gpt_loss(local, *batch).backward()  # (a first step also allocates what torch keeps for later ones)
+    local.zero_grad(set_to_none=True)
+    gc.collect()
+    with _PeakTracker() as tracker:
+        gpt_loss(local, *batch).backward()
+    act = max(0, tracker.peak - sum(p.numel() * p.element_size() for p in local.parameters()))
+    del local
     gc.collect()
     start = _in_use()
     model = FSDP(gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
@@ -65,8 +67,9 @@ def run(rank, ws, strategy):
         step()
     measured = held + t.peak
     m = flatshard.plan(gpt("meta"), ws, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                       sharding_strategy=ShardingStrategy[strategy], activation_bytes=act).memory
-    return dict(measured=measured, planned=m.device_peak, activations=act, held_between_steps=held)
+                       sharding_strategy=ShardingStrategy[strategy], activation_bytes=act,
+                       optimizer_foreach=False, backend="gloo").memory  # (AdamW on CPU: a tensor at a time)
+    return dict(measured=measured, planned=m.device_peak, activations=act, held_between_steps=held, plan=m.as_dict())
 
 if __name__ == "__main__":
     for ws in (1, 2, 4):

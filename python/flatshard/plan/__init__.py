@@ -85,6 +85,7 @@ class Plan:
             f"    of which on the host     {m.on_host / gib:12.3f}",
             f"  unsharded, forward worst   {m.unsharded_forward / gib:12.3f}",
             f"  unsharded, backward worst  {m.unsharded_backward / gib:12.3f}",
+            f"  optimizer step temporaries {m.optimizer_step / gib:12.3f}",
         ]
         if m.no_sync_gradients:
             lines.append(f"    held across no_sync()    {m.no_sync_gradients / gib:12.3f}")
@@ -135,13 +136,17 @@ def plan(
     ranks_per_host: int = 8,
     no_sync: bool = False,
     activation_bytes: int | None = None,
+    optimizer_foreach: bool = True,
+    backend: str = "nccl",
 ) -> Plan:
     """What ``FullyShardedDataParallel(model, ...)`` at ``world_size`` ranks holds and moves per rank (see
     [Note: Planning]). ``model`` may be on the meta device. Hybrid strategies shard within groups of
     ``ranks_per_host`` (flatshard's default: the ranks of a host). ``optimizer``: "adamw", "adam", "sgd",
     "sgd_momentum" or "none". ``no_sync``: the memory of accumulating with ``no_sync()``.
-    ``activation_bytes``: what one step of the unwrapped model on one rank's batch holds beyond its parameters,
-    gradients and optimizer state (its measured peak less its gradients), if measured (else left out)."""
+    ``activation_bytes``: what a forward and backward of the unwrapped model on one rank's batch holds beyond
+    its parameters and gradients (its measured peak less its gradients), if measured (else left out).
+    ``optimizer_foreach``: whether the optimizer steps every tensor at once (torch's default on GPUs) or one at a
+    time (on CPUs). ``backend``: "nccl" or "gloo" (whose all-gather holds a copy of its output while it runs)."""
     if world_size < 1:
         raise ValueError(f"flatshard.plan: world_size: expected >= 1 but got {world_size}")
     strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
@@ -157,5 +162,5 @@ def plan(
     units = planned_units(model, shard_factor, strategy, auto_wrap_policy, mixed_precision, offload,
                           use_orig_params, ignored_modules)
     traffic = [unit_traffic(u, shard_group, replicate_group) for u in units]
-    memory = rank_memory(units, optimizer, offload, no_sync, activation_bytes)
+    memory = rank_memory(units, optimizer, offload, no_sync, activation_bytes, optimizer_foreach, backend == "gloo")
     return Plan(world_size, strategy, shard_group, replicate_group, units, traffic, memory)

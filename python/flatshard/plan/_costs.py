@@ -24,10 +24,13 @@ prefetched (the limiter lets two all-gathers be in flight), with SHARD_GRAD_OP e
 from its forward to its backward; in backward the unit's unsharded gradient
 (``param_dtype``) and its reduction's input (``reduce_dtype``, when that differs) and output.
 Inside ``no_sync()`` every unit's unsharded gradient is held until the reduction
-(``keep_parameters_unsharded=True``: the unsharded parameters too). Activations are the
+(``keep_parameters_unsharded=True``: the unsharded parameters too). The optimizer's step
+adds its temporaries (Adam: two the size of what it updates at once, every shard with
+``foreach``, torch's default on GPUs; one shard at a time, a third, the previous shard's,
+is still alive). Activations are the
 model's and not flatshard's: they come from a measured step when one is given (the peak of a
-plain local step on one rank's batch, less the gradients it made: its parameters and optimizer
-state were there before).
+plain local forward and backward on one rank's batch, less the gradients it made: its
+parameters were there before).
 """
 
 from __future__ import annotations
@@ -105,41 +108,74 @@ class RankMemory:
     unsharded_forward: int  # at the worst point of forward
     unsharded_backward: int  # at the worst point of backward (gradients and reduction buffers included)
     no_sync_gradients: int  # held across no_sync() micro-batches
+    optimizer_step: int  # the optimizer's temporaries during its step
     activations: int | None  # from a measured step, or None
 
     @property
     def device_peak(self) -> int:
         steady = self.sharded_params + self.gradients + self.optimizer_state - self.on_host
-        return steady + max(self.unsharded_forward, self.unsharded_backward) + (self.activations or 0)
+        step = max(self.unsharded_forward, self.unsharded_backward) + (self.activations or 0)
+        return steady + max(step, 0 if self.on_host else self.optimizer_step)
 
     def as_dict(self) -> dict[str, int | None]:
         return {**dataclasses.asdict(self), "device_peak": self.device_peak}
 
 
 def rank_memory(units: list[PlannedUnit], optimizer: str, offload_params: bool, no_sync: bool,
-                activations: int | None = None) -> RankMemory:
+                activations: int | None = None, optimizer_foreach: bool = True, gloo: bool = False) -> RankMemory:
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"flatshard.plan: optimizer: expected one of {sorted(OPTIMIZER_STATES)} but got {optimizer!r}")
     shards = sum(u.layout.shard_numel * _size(u.dtype) for u in units)
     grads = sum(u.layout.shard_numel * _size(u.dtype) for u in units if u.trainable_numel)
     optim = OPTIMIZER_STATES[optimizer] * sum(u.layout.shard_numel * _size(u.dtype) for u in units
                                               if u.trainable_numel)
-    buffers = [_unsharded_bytes(u, offload_params) for u in units]
-    root = sum(b for u, b in zip(units, buffers) if u.is_root)
-    others = [b for u, b in zip(units, buffers) if not u.is_root]
-    if units and not any(u.reshard_after_forward for u in units if not u.is_root):
-        forward = root + sum(others)  # nothing reshards before backward
-    else:
-        forward = root + max((a + b for a, b in zip(others, others[1:] + [0])), default=0)
-    grad_buffers = [_backward_grad_bytes(u) for u in units]
-    backward = forward + max(grad_buffers, default=0)
+    forward, backward = _unsharded_in_flight(units, offload_params, gloo)
     held = sum(u.layout.padded_numel * _size(u.param_dtype) for u in units if u.trainable_numel) if no_sync else 0
+    trainable_shards = [u.layout.shard_numel * _size(u.dtype) for u in units if u.trainable_numel]
+    step_temporaries = 0
+    if OPTIMIZER_STATES[optimizer] == 2 and trainable_shards:
+        step_temporaries = _adam_step_temporaries(trainable_shards, optimizer_foreach)
     return RankMemory(
-        sharded_params=shards, gradients=grads, optimizer_state=optim,
+        sharded_params=shards, gradients=grads, optimizer_state=optim, optimizer_step=step_temporaries,
         on_host=(shards + grads + optim) if offload_params else 0,
         unsharded_forward=forward, unsharded_backward=backward + held, no_sync_gradients=held,
         activations=activations,
     )
+
+
+def _unsharded_in_flight(units: list[PlannedUnit], offload_params: bool, gloo: bool) -> tuple[int, int]:
+    """The worst points of forward and backward (units in forward order; backward runs them in reverse)."""
+    root = sum(_unsharded_bytes(u, offload_params) for u in units if u.is_root)
+    root_grad = sum(_backward_grad_bytes(u) for u in units if u.is_root)
+    others = [u for u in units if not u.is_root]
+    if not others:
+        return root, root + root_grad
+    buffers = [_unsharded_bytes(u, offload_params) for u in others]
+    # gloo's all-gather writes a flat copy of its output while it runs (see [Note: gloo's temporaries]).
+    copies = [b if gloo and not u.replicated else 0 for u, b in zip(others, buffers)]
+    grads = [_backward_grad_bytes(u) for u in others]
+    # A unit's reduction is still in flight during the next unit's backward, its input held.
+    reducing = [u.layout.padded_numel * _size(u.reduce_dtype) if u.trainable_numel and not u.replicated else 0
+                for u in others] + [0]
+    n = len(others)
+    if any(u.reshard_after_forward for u in others):  # the current unit and the one prefetched
+        forward = root + max(buffers[i] + (buffers[i + 1] + copies[i + 1] if i + 1 < n else 0) for i in range(n))
+        backward = root + max(
+            buffers[i] + grads[i] + (buffers[i - 1] + copies[i - 1] if i else 0) + reducing[i + 1] for i in range(n))
+    else:  # every unit stays unsharded from its forward to its backward
+        forward = root + sum(buffers) + (copies[-1] if copies else 0)
+        backward = root + max(sum(buffers[: i + 1]) + grads[i] + reducing[i + 1] for i in range(n))
+    return forward, max(backward, root + root_grad + reducing[0])
+
+
+def _adam_step_temporaries(shards: list[int], foreach: bool) -> int:
+    """Adam's step makes two temporaries the size of what it updates at once (the second moment's square root,
+    then its division, ``denom``): every shard at once with ``foreach``. One tensor at a time, the previous
+    tensor's ``denom`` is still referenced while the next one's is computed: three, of two sizes (shards in
+    the optimizer's order, which is the units' order)."""
+    if foreach:
+        return 2 * sum(shards)
+    return max(2 * size + (shards[i - 1] if i else 0) for i, size in enumerate(shards))
 
 
 def _unsharded_bytes(unit: PlannedUnit, offload_params: bool) -> int:
