@@ -22,6 +22,7 @@ if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]]; then
   "$PY" -c "import accelerate" 2>/dev/null || missing+=("accelerate>=1.0")
   "$PY" -c "import trl" 2>/dev/null || missing+=("trl>=0.20")
   "$PY" -c "import lightning" 2>/dev/null || missing+=("lightning>=2.2")
+  "$PY" -c "import matplotlib" 2>/dev/null || missing+=("matplotlib")  # python -m flatshard.plan --plot
   # peft 0.21 finds LoRA entries by module names with only a leading _fsdp_wrapped_module removed: with
   # nested FSDP1 units (verl's LoRA wrapping) it finds none, on torch's FSDP1 as on flatshard.
   "$PY" -c "import peft, sys; sys.exit(tuple(map(int, peft.__version__.split('.')[:2])) >= (0, 21))" 2>/dev/null ||

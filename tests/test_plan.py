@@ -160,3 +160,13 @@ def test_planned_bytes_equal_counted_bytes_under_the_fake_process_group():
     for case in cases:
         assert case["counted"] and case["planned"] == case["counted"], (
             f"{case['case']}: planned {case['planned']} vs counted {case['counted']}")
+
+
+def test_cli_plot(tmp_path):
+    """``--plot`` writes the figure (memory per rank against world size, bytes per unit)."""
+    path = tmp_path / "plan.png"
+    done = subprocess.run([sys.executable, "-m", "flatshard.plan", "--hf-config",
+                           _llama_config(tmp_path, "small", 1000, 256, 512, 4, 8, 4), "--world-size", "16",
+                           "--plot", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

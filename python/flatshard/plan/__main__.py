@@ -2,7 +2,7 @@
 
     python -m flatshard.plan --hf-config path/to/config.json --world-size 64 \\
         [--strategy FULL_SHARD] [--mixed-precision bf16] [--cpu-offload] [--optimizer adamw] \\
-        [--wrap LlamaDecoderLayer] [--ranks-per-host 8] [--no-sync] [--json]
+        [--wrap LlamaDecoderLayer] [--ranks-per-host 8] [--no-sync] [--json] [--plot plan.png]
 
 The model is built on the meta device from the config (``transformers``, nothing downloaded);
 ``--wrap`` names the classes to make units of (default: the model's ``_no_split_modules``,
@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--use-orig-params", action="store_true")
     parser.add_argument("--no-sync", action="store_true", help="the memory of accumulating with no_sync()")
     parser.add_argument("--json", action="store_true", help="JSON instead of the table")
+    parser.add_argument("--plot", metavar="PATH", help="also write a plot: memory per rank against world size for "
+                                                       "each strategy, bytes per unit (needs matplotlib)")
     args = parser.parse_args(argv)
 
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -55,12 +57,22 @@ def main(argv: list[str] | None = None) -> int:
         strategy = ShardingStrategy[args.strategy]
     except KeyError:
         parser.error(f"--strategy: expected one of {[s.name for s in ShardingStrategy]} but got {args.strategy!r}")
-    result = make_plan(
-        model, args.world_size, auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
-        sharding_strategy=strategy, mixed_precision=mixed, cpu_offload=CPUOffload(offload_params=args.cpu_offload),
-        use_orig_params=args.use_orig_params, optimizer=args.optimizer, ranks_per_host=args.ranks_per_host,
-        no_sync=args.no_sync)
+    def plan_at(world_size: int, strategy: ShardingStrategy):
+        return make_plan(
+            model, world_size, auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
+            sharding_strategy=strategy, mixed_precision=mixed, cpu_offload=CPUOffload(offload_params=args.cpu_offload),
+            use_orig_params=args.use_orig_params, optimizer=args.optimizer, ranks_per_host=args.ranks_per_host,
+            no_sync=args.no_sync)
+
+    result = plan_at(args.world_size, strategy)
     print(result.dumps() if args.json else result.table())
+    if args.plot:
+        from flatshard.plan._plot import plot
+
+        sizes = sorted({w for w in (8, 16, 32, 64, 128, 256, 512, 1024) if w <= max(8, args.world_size)}
+                       | {args.world_size})
+        plot(plan_at, sizes, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 
