@@ -131,3 +131,34 @@ def test_module_tree_stays_a_tree_after_forward(single_rank):
     assert sum(1 for _ in model.modules()) == 6  # root, Sequential, 2 units, 2 Linears
 
 
+
+
+def test_a_tensor_as_the_module(single_rank):
+    with pytest.raises(TypeError, match=r"module: expected an nn.Module but got Tensor; pass the model to wrap"):
+        FSDP(torch.ones(3))
+
+
+def test_optimizer_built_before_wrapping_raises_at_its_first_step(single_rank):
+    """With use_orig_params=False wrapping replaces the parameters such an optimizer holds: it would train
+    nothing (torch FSDP1 too, silently). Its first step raises, naming a parameter and the fix; with
+    use_orig_params=True the parameters stay the model's and it trains (see [Note: An optimizer built before
+    wrapping])."""
+    for use_orig_params in (False, True):
+        module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        opt = torch.optim.SGD(module.parameters(), lr=0.5)
+        model = FSDP(module, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=use_orig_params)
+        model(torch.ones(1, 2)).sum().backward()
+        if use_orig_params:
+            with FSDP.summon_full_params(model):
+                before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            with FSDP.summon_full_params(model):
+                assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters())), "nothing trained"
+            continue
+        with pytest.raises(ValueError, match=r"SGD.step\(\): the optimizer holds 4 parameter\(s\) that "
+                                             r"FullyShardedDataParallel replaced by flat parameters \(e.g. '0.weight' "
+                                             r"of unit '0'\): it was built before wrapping.*Build the optimizer after "
+                                             r"wrapping"):
+            opt.step()
+        fresh = torch.optim.SGD(model.parameters(), lr=0.5)  # built after wrapping: fine
+        fresh.step()

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import _C, _mixed_precision, _orig_params
+from flatshard import _C, _mixed_precision, _orig_params, _stale_optimizer
 from flatshard._common import FLAT_PARAM, HYBRID, OWNER_ATTR, is_unit, join
+from flatshard._stale_optimizer import REPLACED_ATTR
 from flatshard._profiling import collective_range
 from flatshard.api import ShardingStrategy
 
@@ -311,6 +312,9 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
     # buffer (storage-less while sharded, see [Note: Unsharded storage]).
     for m, attr, _ in slots:
         del m._parameters[attr]
+    for p, fqn in zip(params, names):  # see [Note: An optimizer built before wrapping]
+        setattr(p, REPLACED_ATTR, (s.name, fqn))
+    _stale_optimizer.install()
 
 
 def materialize_meta(

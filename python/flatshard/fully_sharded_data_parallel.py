@@ -118,6 +118,10 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         _ignored_params: set[nn.Parameter] | None = None,
         _device_mesh_given: bool = False,
     ):
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"FullyShardedDataParallel: module: expected an nn.Module but got {type(module).__name__}; pass the "
+                f"model to wrap (FSDP(model)), not a tensor or its parameters.")
         nn.Module.__init__(self)  # (not super(): see [Note: flatshard as torch's FSDP] in _as_torch.py)
         ignored_modules, extra_ignored = _construction.split_ignored_states(ignored_modules, ignored_states)
         strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
