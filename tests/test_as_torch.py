@@ -52,9 +52,13 @@ _PROBE = """
 """
 
 
-def test_environment_variable_installs_it_at_interpreter_start_whatever_the_import_order():
-    assert _python(_PROBE, opt_in=True) == "True True True True False"
-    assert _python(_PROBE, opt_in=False) == "False False False False True"  # torch's, untouched
+@pytest.mark.parametrize("first", ["", "import transformers", "import flatshard", "import importlib.util; "
+                                   "importlib.util.find_spec('torch')"])
+def test_environment_variable_installs_it_at_interpreter_start_whatever_the_import_order(first):
+    """transformers (and datasets, peft) probe for torch with find_spec before importing it; flatshard may be what
+    imports torch first."""
+    assert _python(first + "\n" + textwrap.dedent(_PROBE), opt_in=True) == "True True True True False"
+    assert _python(first + "\n" + textwrap.dedent(_PROBE), opt_in=False) == "False False False False True"
 
 
 def test_late_install_rebinds_imported_names_and_uninstall_restores_everything():
@@ -71,10 +75,12 @@ def test_late_install_rebinds_imported_names_and_uninstall_restores_everything()
         print(user.get_state_dict is flatshard.checkpoint.get_state_dict,
               dsd.set_state_dict is flatshard.checkpoint.set_state_dict, FSDP.__init__ is flatshard.FSDP.__init__)
         flatshard.uninstall_as_torch_fsdp()
+        import torch.distributed.fsdp._runtime_utils as runtime_utils
         print(flatshard.is_active(), dict(vars(FSDP)) == before_class, dict(vars(dsd)) == before_module,
-              user.get_state_dict is before_module["get_state_dict"])
+              user.get_state_dict is before_module["get_state_dict"],
+              runtime_utils._lazy_init is flatshard._as_torch.TORCH_ORIGINALS["_lazy_init"])
     """, opt_in=False)
-    assert out.splitlines() == ["True True True", "False True True True"]
+    assert out.splitlines() == ["True True True", "False True True True True"]
 
 
 def _build(seed: int = 0):
@@ -188,6 +194,14 @@ def _internals(rank, world_size):
             model._reset_lazy_init()
         with pytest.raises(AttributeError, match=r"has no attribute 'no_such_thing' \(nor has the wrapped 'GPT'\)"):
             model.no_such_thing
+        with pytest.raises(AttributeError, match=r"'FlatParamHandle' has no attribute '_shard_param_infos'.*torch "
+                                                 r"FSDP1's internal"):
+            model._handle._shard_param_infos
+        # torch's helpers on a model without flatshard units: torch's own functions, as before the opt-in
+        import torch.distributed.checkpoint.state_dict as dsd
+
+        plain = torch.nn.Linear(2, 2)
+        assert dsd.get_model_state_dict(plain).keys() == plain.state_dict().keys()
     finally:
         flatshard.uninstall_as_torch_fsdp()
 

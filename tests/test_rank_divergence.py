@@ -214,7 +214,8 @@ def test_state_dict_functions_inside_forward_raise():
 def _unit_skipped_on_one_rank(rank, world_size):
     """Rank 1 skips blocks.1 in its forward (as data-dependent routing can): every phase agrees, so the
     per-phase guard passes; blocks.1 and blocks.2 gather the same number of bytes, so without the
-    strict mode their all-gathers would pair up and train wrong. The strict mode names them."""
+    strict mode their all-gathers would pair up and train wrong. The strict mode names them, with the guard's
+    error type (issue 22, item 3)."""
     import os
 
     os.environ["FLATSHARD_RANK_GUARD"] = "strict"
@@ -222,7 +223,9 @@ def _unit_skipped_on_one_rank(rank, world_size):
     if rank == 1:
         block = model.module.blocks[1]
         block.forward = lambda x, *args, **kwargs: x
-    with pytest.raises(RuntimeError, match=r"ranks issue different collectives \(FLATSHARD_RANK_GUARD=strict.*"
+    from flatshard import RankDivergenceError
+
+    with pytest.raises(RankDivergenceError, match=r"ranks issue different collectives \(FLATSHARD_RANK_GUARD=strict.*"
                                            r"rank 0 of the group, collective #\d+: all_gather of unit 'blocks.1' "
                                            r"\(\d+ bytes\); rank 1 of the group, collective #\d+: all_gather of "
                                            r"unit 'blocks.2'"):

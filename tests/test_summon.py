@@ -95,6 +95,13 @@ def _move_inside(rank, world_size, use_orig_params):
         assert torch.equal(got[n], v.double()), n
     after = [p.detach() for p in model.parameters()]
     assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(after, shards))
+    with FSDP.summon_full_params(model, writeback=True):  # edits after a cast inside the context are written back
+        model.module.to(torch.float64)
+        with torch.no_grad():
+            model.module.ln_f.weight.fill_(2.0)
+        model.module.to(torch.float32)
+    with FSDP.summon_full_params(model):
+        assert torch.equal(model.module.ln_f.weight, torch.full((16,), 2.0))
     gpt_loss(model, *local_slice(make_batch(), rank, world_size)).backward()  # trains on
     opt.step()
 

@@ -216,6 +216,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("limiter_stalls",
                              [](const Scheduler& s) { return s.limiter().stalls(); });
 
+  // The one error type of the rank-divergence guard, raised by Python's checks and by the strict
+  // sequence check here (flatshard.RankDivergenceError is this class).
+  py::register_exception<flatshard::RankDivergence>(m, "RankDivergenceError", PyExc_RuntimeError);
   m.def("unsharded_bytes", &flatshard::MemoryCounter::unsharded_bytes,
         "Bytes of unsharded buffers alive in this process.");
   m.def("peak_unsharded_bytes", &flatshard::MemoryCounter::peak_unsharded_bytes,

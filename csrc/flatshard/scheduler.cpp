@@ -390,7 +390,7 @@ void Scheduler::check_sequence(Collectives& group, const FlatParam& unit, const 
     message += (r ? "; " : "") + std::string("rank ") + std::to_string(r) + " of the group, collective #" +
                std::to_string(rows[2 * r + 1]) + ": " + std::string(begin, strnlen(begin, kText));
   }
-  TORCH_CHECK(false, message);
+  throw RankDivergence(message);
 }
 
 std::pair<bool, bool> Scheduler::drain(double timeout_seconds) {

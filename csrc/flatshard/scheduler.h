@@ -1,4 +1,6 @@
 #pragma once
+
+#include <stdexcept>
 // Scheduler: the stream-ordered collective runtime shared by every unit under
 // one root FullyShardedDataParallel.
 //
@@ -64,6 +66,13 @@
 #include "flatshard/rate_limiter.h"
 
 namespace flatshard {
+
+// Ranks about to issue different collectives (the strict sequence check, see [Note: Collective
+// sequence check]): Python sees flatshard.RankDivergenceError, as for the guard's own checks.
+class RankDivergence : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 class Scheduler {
  public:

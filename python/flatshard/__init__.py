@@ -47,6 +47,9 @@ def is_active() -> bool:
 
 FSDP = FullyShardedDataParallel
 
+if _as_torch.environment_asks():  # (when flatshard was what imported torch, the startup hook left it to here)
+    _as_torch.install(reason=f"{_as_torch.ENV_VAR}=1")
+
 __version__ = "0.1.0"
 
 __all__ = [*api.__all__, "FSDP", "FullyShardedDataParallel", "RankDivergenceError", "install_as_torch_fsdp",

@@ -34,6 +34,7 @@ the opt-in, construct torch's.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any, Callable
@@ -62,9 +63,14 @@ _active = False
 # What install() changed, to undo: (owner, name, original or _ABSENT).
 _undo: list[tuple[Any, str, Any]] = []
 _ABSENT = object()
-# torch's own functions, captured before any patching (flatshard's fallbacks call these).
+# torch's own functions, captured before any patching (what install() replaces, and _lazy_init's fallback).
 TORCH_ORIGINALS: dict[str, Callable] = {name: getattr(torch_dsd, name) for name in _DSD_FUNCTIONS}
 TORCH_ORIGINALS["_lazy_init"] = torch_runtime_utils._lazy_init
+
+
+def environment_asks() -> bool:
+    """Whether ``FLATSHARD_AS_TORCH_FSDP`` asks for the opt-in (as ``_flatshard_startup.wanted``)."""
+    return os.environ.get(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def is_active() -> bool:
@@ -80,23 +86,11 @@ def install(reason: str = "flatshard.install_as_torch_fsdp()") -> None:
     with _lock:
         if _active:
             return
-        from flatshard._torch_internals import refused_torch_methods
-        from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
-
-        refused = refused_torch_methods(TorchFSDP, FullyShardedDataParallel)
-        for name, value in _flatshard_members().items():
-            _set(TorchFSDP, name, value)
-        for name, value in refused.items():
-            _set(TorchFSDP, name, value)
-        _set(TorchFSDP, FLAT_PARAM, _ABSENT)
-        from flatshard.checkpoint import _state_dict_api
-
-        replacements = {TORCH_ORIGINALS[name]: getattr(_state_dict_api, name) for name in _DSD_FUNCTIONS}
-        replacements[TORCH_ORIGINALS["_lazy_init"]] = _lazy_init
-        for name in _DSD_FUNCTIONS:
-            _set(torch_dsd, name, replacements[TORCH_ORIGINALS[name]])
-        _set(torch_runtime_utils, "_lazy_init", _lazy_init)
-        _rebind_imported(replacements)
+        try:
+            _patch()
+        except BaseException:
+            _undo_all()  # nothing half-patched
+            raise
         _active = True
     logger.info("flatshard: torch.distributed.fsdp.FullyShardedDataParallel is flatshard's (%s)", reason)
 
@@ -105,15 +99,38 @@ def uninstall() -> None:
     """Puts back everything ``install`` changed."""
     global _active
     with _lock:
-        while _undo:
-            owner, name, original = _undo.pop()
-            if original is _ABSENT:
-                delattr(owner, name)
-            elif isinstance(owner, dict):
-                owner[name] = original
-            else:
-                setattr(owner, name, original)
+        _undo_all()
         _active = False
+
+
+def _patch() -> None:
+    from flatshard._torch_internals import refused_torch_methods
+    from flatshard.checkpoint import _state_dict_api
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    refused = refused_torch_methods(TorchFSDP, FullyShardedDataParallel)
+    for name, value in _flatshard_members().items():
+        _set(TorchFSDP, name, value)
+    for name, value in refused.items():
+        _set(TorchFSDP, name, value)
+    _set(TorchFSDP, FLAT_PARAM, _ABSENT)
+    replacements = {TORCH_ORIGINALS[name]: getattr(_state_dict_api, name) for name in _DSD_FUNCTIONS}
+    replacements[TORCH_ORIGINALS["_lazy_init"]] = _lazy_init
+    for name in _DSD_FUNCTIONS:
+        _set(torch_dsd, name, replacements[TORCH_ORIGINALS[name]])
+    _set(torch_runtime_utils, "_lazy_init", _lazy_init)
+    _rebind_imported(replacements)
+
+
+def _undo_all() -> None:
+    while _undo:
+        owner, name, original = _undo.pop()
+        if original is _ABSENT:
+            delattr(owner, name)
+        elif isinstance(owner, dict):
+            owner[name] = original
+        else:
+            setattr(owner, name, original)
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
@@ -137,7 +154,7 @@ def _rebind_imported(replacements: dict[Callable, Callable]) -> None:
         for name, value in list(namespace.items()):
             try:
                 replacement = replacements.get(value)
-            except TypeError:  # unhashable
+            except Exception:  # unhashable, or a __hash__ that raises
                 continue
             if replacement is not None:
                 _undo.append((namespace, name, value))

@@ -220,7 +220,9 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
     unit_mods = list(unit_modules(module, ignored))
     for _, m in unit_mods:  # torch's marks, read by transformers' generate() and torch.compile ([Note: torch's internals])
         m._is_fsdp_managed_module = True
-        m._fsdp_use_orig_params = s.use_orig_params
+        # dynamo compiles a managed module only with this set (it refuses torch's FSDP1 flat-parameter mode); flatshard
+        # hands the modules fresh views at every forward in both modes, which is what it asks for.
+        m._fsdp_use_orig_params = True
     if s.param_init_fn is not None and has_meta(unit_mods):
         meta_originals = materialize_with(s.param_init_fn, unit_mods, s.name)
         if not s.device_id_given:  # as torch: the device param_init_fn chose

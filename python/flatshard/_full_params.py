@@ -232,13 +232,18 @@ def _hide_full_params(summoned: _Summoned, options: _Options) -> None:
                     if options.writeback and p.data.data_ptr() != v.data_ptr():  # replaced inside the context
                         v.copy_(p.data.reshape(v.shape))
         else:
-            for m, attr, _ in s.param_slots:
-                m._parameters.pop(attr, None)
+            views = _C.views_of(summoned.full, handle.layout)
+            with torch.no_grad():
+                for m, attr, index in s.param_slots:
+                    p = m._parameters.pop(attr, None)
+                    # replaced inside the context (e.g. .to(dtype)): its values, not the buffer's, are written back
+                    if options.writeback and p is not None and p.data.data_ptr() != views[index].data_ptr():
+                        views[index].copy_(p.data.reshape(views[index].shape))
             unit.register_parameter(FLAT_PARAM, flat)
     if options.writeback:
         _write_back(s, summoned, flat, options)
-    # Parameters a caller kept from inside the context must not read freed
-    # storage: they become empty (clone inside the context to keep values).
+    # The Parameters shown inside the context are not the model's afterwards: they become empty (clone inside the
+    # context to keep values; tensors that alias the buffer keep it, see [Note: Summoned buffers outlive the context]).
     for p in summoned.params:
         p.data = p.data.new_empty(0)
         p.grad = None

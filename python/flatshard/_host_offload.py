@@ -45,17 +45,16 @@ def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to: str
                          f"FullyShardedDataParallel units; wrap it first (or move it with .to()).")
     for root in fsdp_modules(model, root_only=True):
         root._lazy_init()
-    devices = set()
+    moved: dict[int, torch.device] = {}  # id of a parameter the optimizer may hold -> where its shard went
     for unit in units:
         s = unit._unit_state
         if s.handle is not None and not s.offload_params:
             device = s.device if to else torch.device("cpu")
             move_shard(s, device, non_blocking)
-            devices.add(device)
+            for p in [s.flat_param, *(s.orig_params if s.use_orig_params else [])]:
+                moved[id(p)] = device
     if optimizer is not None:
-        target = next(iter(devices), None)
-        if target is not None:
-            _move_optimizer_state(optimizer, target, non_blocking)
+        _move_optimizer_state(optimizer, moved, non_blocking)
 
 
 def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -> None:
@@ -65,6 +64,10 @@ def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -
         raise RuntimeError(
             f"flatshard: unit '{s.label}': its shard cannot move during a forward/backward iteration; move the "
             f"shards between steps (after the optimizer step, or after a no-grad forward).")
+    if s.handle.has_unsharded_grad():
+        raise RuntimeError(
+            f"flatshard: unit '{s.label}' holds a gradient accumulated inside no_sync() that is not reduced yet; "
+            f"move the shards after the backward outside no_sync() (and the optimizer step).")
     if s.handle.state != _C.ShardedState.SHARDED:
         from flatshard._runtime import reshard
 
@@ -73,6 +76,7 @@ def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -
     device = torch.device(device)
     if flat.device == device:
         return
+    flat.__dict__.pop("_local_shard", None)  # torch's alias of the old data (see HandleView.flat_param)
     if s.use_orig_params:  # edits to the original parameters first: they are views of the shard
         _orig_params.writeback(s)
     with torch.no_grad():
@@ -90,7 +94,7 @@ def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -
         )
 
 
-def check_shards_on_device(s: UnitState) -> None:
+def raise_shards_on_host(s: UnitState) -> None:
     """A forward with the shards on the host: the error, with the fix."""
     raise RuntimeError(
         f"FullyShardedDataParallel: the shards of '{s.label}' are in host memory "
@@ -98,10 +102,14 @@ def check_shards_on_device(s: UnitState) -> None:
         f"flatshard.move_shards_to_device(model) before the next forward.")
 
 
-def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, non_blocking: bool) -> None:
-    """The per-element state (Adam's moments, ...) moves; scalars such as ``step`` stay where the optimizer
-    keeps them."""
-    for state in optimizer.state.values():
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, moved: dict[int, torch.device],
+                          non_blocking: bool) -> None:
+    """The per-element state (Adam's moments, ...) of the parameters whose shards moved goes where they went;
+    scalars such as ``step`` stay where the optimizer keeps them, and other parameters' state is left alone."""
+    for param, state in optimizer.state.items():
+        device = moved.get(id(param))
+        if device is None:
+            continue
         for key, value in list(state.items()):
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
                 state[key] = value.to(device, non_blocking=non_blocking)

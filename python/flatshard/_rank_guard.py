@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from flatshard import _C
 from flatshard._profiling import collective_range
 
 if TYPE_CHECKING:
@@ -107,8 +108,9 @@ def _all_gather_objects_unranged(group: Any, obj: Any) -> list[Any]:
             for i, n in enumerate(lengths.tolist())]
 
 
-class RankDivergenceError(RuntimeError):
-    """Ranks were about to run different collectives (see [Note: Rank-divergence guard])."""
+# Ranks were about to run different collectives (see [Note: Rank-divergence guard]): a RuntimeError,
+# defined by the extension so that the strict sequence check in C++ raises the same type.
+RankDivergenceError = _C.RankDivergenceError
 
 
 def mode() -> str:

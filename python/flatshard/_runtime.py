@@ -76,7 +76,7 @@ from torch import nn
 from flatshard import _C, _comm_hooks, _exit, _mixed_precision, _orig_params, _rank_guard
 from flatshard._common import UsageError, clean_name, in_backward, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
-from flatshard._host_offload import check_shards_on_device
+from flatshard._host_offload import raise_shards_on_host
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import RootState, TrainingState, UnitState
 from flatshard.api import BackwardPrefetch
@@ -266,7 +266,7 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
             lazy_init(unit)
             root = s.root
         if root.shards_on_host:  # see [Note: Shards on the host]
-            check_shards_on_device(s)
+            raise_shards_on_host(s)
         if root.guard is not None:  # see [Note: Rank-divergence guard]
             _guard_forward(root)
         if root.final_callback_queued:

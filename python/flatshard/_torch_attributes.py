@@ -192,6 +192,12 @@ class HandleView:
     def __init__(self, state: UnitState) -> None:
         self._state = state
 
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"'FlatParamHandle' has no attribute '{name}': flatshard answers torch's handle fields listed in "
+            f"[Note: The handle] ({', '.join(n for n in dir(type(self)) if not n.startswith('__'))}); '{name}' is "
+            f"torch FSDP1's internal, which flatshard does not have.")
+
     @property
     def flat_param(self) -> nn.Parameter:
         """The unit's flat parameter (its local shard), with torch's ``_local_shard`` alias of its data."""
@@ -206,8 +212,9 @@ class HandleView:
         and the runtime follows (see [Note: Shards on the host]). Only a device may be given."""
         from flatshard._host_offload import move_shard
 
-        target = torch.empty(0, device=self._state.flat_param.device).to(*args, **kwargs)
-        if target.dtype != torch.float32:
+        flat = self._state.flat_param
+        target = torch.empty(0, dtype=flat.dtype, device=flat.device).to(*args, **kwargs)
+        if target.dtype != flat.dtype:
             raise ValueError(f"FlatParamHandle.flat_param_to: unit '{self._state.label}': only a device can be given; "
                              f"cast the model with .to(dtype) instead.")
         move_shard(self._state, target.device, bool(kwargs.get("non_blocking", False)))

@@ -254,7 +254,13 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         if state.training_state is TrainingState.SUMMONING:
             # Inside summon_full_params the module holds its full parameters: they move or cast (verl moves
             # the base model with .to("cpu") there); the shards stay as they are, and writeback copies edits back.
-            return nn.Module._apply(self, fn, recurse)
+            # (A rank that shows none, with rank0_only, still has its flat parameter registered: it stays too.)
+            flat = self._parameters.pop(FLAT_PARAM, None)
+            try:
+                return nn.Module._apply(self, fn, recurse)
+            finally:
+                if flat is not None:
+                    self._parameters[FLAT_PARAM] = flat
         flat = state.flat_param
         cast = False
         if flat is not None:
@@ -298,6 +304,11 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         try:
             return nn.Module.__getattr__(self, name)
         except AttributeError:
+            if name == "_unit_state" and WRAPPED in self._modules:
+                raise AttributeError(
+                    "FullyShardedDataParallel: this module was wrapped by torch's own FSDP1, before "
+                    "flatshard.install_as_torch_fsdp() (or FLATSHARD_AS_TORCH_FSDP=1) took effect; wrap the model "
+                    "after the opt-in.") from None
             if name == WRAPPED or name == "_unit_state":
                 raise
             if name == FLAT_PARAM and self._unit_state.handle is None:  # no parameters of its own: None, as torch
