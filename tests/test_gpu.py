@@ -171,3 +171,44 @@ def _compress_hooks_on_gpu(rank, world_size, hook_name):
 @pytest.mark.parametrize("hook_name", ["fp16_compress_hook", "bf16_compress_hook"])
 def test_compress_hooks_on_gpu(hook_name):
     run_distributed(_compress_hooks_on_gpu, 2, hook_name, timeout=240)
+
+
+def _shards_to_host_and_back(rank, world_size, backend, use_orig_params):
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import move_shards_to_device, move_shards_to_host
+
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device,
+                 use_orig_params=use_orig_params)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device,
+                     use_orig_params=use_orig_params)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    batch = tuple(t.to(device) for t in local_slice(make_batch(), rank, world_size))
+    losses, ref_losses = [], []
+    for step in range(4):
+        for m, o, out in ((model, opt, losses), (reference, ref_opt, ref_losses)):
+            loss = gpt_loss(m, *batch)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+        if step == 1:  # the rollout's turn: every shard and Adam moment on the host, then back
+            before = torch.cuda.memory_allocated()
+            move_shards_to_host(model, opt)
+            assert all(p.device.type == "cpu" for p in model.parameters())
+            assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values() if t.dim() > 0)
+            assert torch.cuda.memory_allocated() < before
+            with pytest.raises(RuntimeError, match=r"are in host memory .*move_shards_to_device\(model\)"):
+                gpt_loss(model, *batch)
+            move_shards_to_device(model, opt)
+            assert all(p.device == device for p in model.parameters())
+    assert losses == ref_losses, f"{losses} vs {ref_losses} (never moved)"
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_shards_to_host_and_back_on_gpu(use_orig_params):
+    """flatshard.move_shards_to_host/device mid-training (verl's offload between rollout and update): memory
+    freed on the device, a forward meanwhile refused, training goes on exactly as a model never moved."""
+    run_distributed(_shards_to_host_and_back, 1, "nccl", use_orig_params, timeout=240)

@@ -8,7 +8,8 @@ the mixed-precision dtypes (see ``_units.py``). From those it reports per unit t
 of each collective of one training step, exact (``_costs.py``, [Note: What a step moves];
 the runtime counts the same bytes, ``_C.FlatParam.collective_bytes``), and per rank the
 memory flatshard holds (``_costs.py``, [Note: What a rank holds]). ``python -m
-flatshard.plan`` does this from an HF config.
+flatshard.plan`` does this from an HF config. (``flatshard.plan`` is the function: the
+package ``__init__`` binds it over the subpackage's name; ``import flatshard.plan as p`` gives it too.)
 """
 
 from __future__ import annotations
