@@ -201,6 +201,24 @@ def gpt_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> t
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def train_gpt(model: nn.Module, opt, steps, rank: int, world_size: int, backward=None) -> list[float]:
+    """One optimizer step per step number: next-token loss on this rank's rows of that step's global batch
+    (``make_batch(seed=1000 + step)``), ``backward(loss)`` (default ``loss.backward()``); returns each step's
+    loss averaged over the ranks (the global batch's)."""
+    import torch.distributed as dist
+
+    losses = []
+    for step in steps:
+        loss = gpt_loss(model, *local_slice(make_batch(seed=1000 + step), rank, world_size))
+        (backward or torch.Tensor.backward)(loss)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses
+
+
 IMPLS = ["flatshard", "torch"]
 
 

@@ -21,12 +21,11 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+from models import Block, make_gpt, train_gpt
 
 STEPS, SAVE_AT = 5, 3
 
@@ -90,19 +89,6 @@ def _build(seed: int = 0):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _train(model, opt, steps, rank, world_size):
-    losses = []
-    for step in steps:
-        loss = gpt_loss(model, *local_slice(make_batch(seed=1000 + step), rank, world_size))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return losses
-
-
 def _local_parts(value):
     """Every tensor of a (nested) state dict as this rank holds it."""
     if isinstance(value, dict):
@@ -123,7 +109,7 @@ def _dsd_round_trip(rank, world_size, path):
     import torch.distributed.checkpoint.state_dict as dsd  # torch's module: its functions are flatshard's now
 
     model, opt = _build()
-    losses = _train(model, opt, range(SAVE_AT), rank, world_size)
+    losses = train_gpt(model, opt, range(SAVE_AT), rank, world_size)
     model_sd, optim_sd = dsd.get_state_dict(model, opt)
     saved = _local_parts({"model": model_sd, "optim": optim_sd})
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -135,7 +121,7 @@ def _dsd_round_trip(rank, world_size, path):
     dsd.set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     model_sd, optim_sd = dsd.get_state_dict(model, opt)
     read_back = _local_parts({"model": model_sd, "optim": optim_sd})
-    losses += _train(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+    losses += train_gpt(model, opt, range(SAVE_AT, STEPS), rank, world_size)
     flatshard.uninstall_as_torch_fsdp()
     return losses, saved, read_back
 
@@ -160,7 +146,7 @@ def _uninterrupted(rank, world_size):
     from flatshard import FullyShardedDataParallel as FSDP
 
     model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
-    return _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), range(STEPS), rank,
+    return train_gpt(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), range(STEPS), rank,
                   world_size)
 
 

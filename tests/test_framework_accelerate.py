@@ -17,11 +17,8 @@ resume must continue exactly as the run that went on. (accelerate's SHARDED resu
 not, on torch FSDP1 either: the second optimizer step after it differs; flatshard
 matches torch there bit for bit.)
 
-Forcing the FSDP path on CPU: accelerate takes FSDP only on accelerator types and DDP on
-CPU, and passes ``device_id=cpu:0``, which torch FSDP1 refuses ("Inconsistent compute
-device"). The test sets what accelerate's AcceleratorState sets on a GPU machine
-(``distributed_type = FSDP`` in its and PartialState's shared state) and the device to
-``cpu``; everything else is accelerate's code.
+Forcing accelerate's FSDP path on a CPU: see [Note: Forcing a framework's FSDP path on a CPU] in
+tests/_frameworks.py.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _frameworks import force_accelerate_fsdp, reset_accelerate, set_launcher_environment, tiny_llama
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -41,38 +39,19 @@ pytest.importorskip("transformers")
 STEPS = 4  # micro-batches before the checkpoint (2 optimizer steps), and as many after
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config)
-
-
 def _accelerator(rank, world_size, use_orig_params, state_dict_type):
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    AcceleratorState._reset_state(True)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    reset_accelerate()
+    set_launcher_environment(rank, world_size)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=1, use_orig_params=use_orig_params, state_dict_type=state_dict_type,
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}))
     acc = Accelerator(cpu=True, mixed_precision="bf16", fsdp_plugin=plugin, gradient_accumulation_steps=2)
-    # The FSDP path on CPU (see the module docstring): what AcceleratorState sets on a GPU machine.
-    acc.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    acc.state.device = PartialState._shared_state["device"] = torch.device("cpu")
     plugin.set_mixed_precision("bf16")
-    # accelerate loads FULL checkpoints only with sync_module_states, which its plugin refuses to take on CPU
-    # (it makes a param_init_fn for the accelerator's device): set after construction, no param_init_fn needed.
-    plugin.sync_module_states = state_dict_type == "FULL_STATE_DICT"
-    acc.state.fsdp_plugin = plugin
+    force_accelerate_fsdp(acc.state, plugin, full_loads=state_dict_type == "FULL_STATE_DICT")
     return acc
 
 
@@ -106,7 +85,7 @@ def _run(rank, world_size, use_orig_params, state_dict_type, ckpt_dir, impl):
     # Two different micro-batches per accumulation step (the same batch twice would hide one dropped or
     # doubled micro-batch from AdamW, which hardly sees the gradient's scale); the second half repeats the first.
     batches = [ids.chunk(world_size)[rank] for ids in torch.randint(0, 128, (STEPS, 8, 16), generator=g)] * 2
-    model = acc.prepare(_llama())
+    model = acc.prepare(tiny_llama())
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
     kind = (type(model).__name__, getattr(model, "_is_flatshard_unit", False))
     losses = _train(acc, model, opt, batches[:STEPS])
@@ -116,7 +95,7 @@ def _run(rank, world_size, use_orig_params, state_dict_type, ckpt_dir, impl):
     acc.wait_for_everyone()
 
     acc2 = _accelerator(rank, world_size, use_orig_params, state_dict_type)
-    model2 = acc2.prepare(_llama())
+    model2 = acc2.prepare(tiny_llama())
     opt2 = acc2.prepare(torch.optim.AdamW(model2.parameters(), lr=1e-2))
     acc2.load_state(ckpt_dir)
     resumed = _train(acc2, model2, opt2, batches[STEPS:])
@@ -131,7 +110,7 @@ def _upcast_run(rank, world_size, use_orig_params):
     acc = _accelerator(rank, world_size, use_orig_params, "SHARDED_STATE_DICT")
     g = torch.Generator().manual_seed(99)
     batches = [torch.randint(0, 128, (8, 16), generator=g).chunk(world_size)[rank]] * STEPS
-    model = acc.prepare(_llama().to(torch.bfloat16))
+    model = acc.prepare(tiny_llama().to(torch.bfloat16))
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
     out = torch.stack(_train(acc, model, opt, batches))

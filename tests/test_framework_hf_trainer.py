@@ -10,10 +10,8 @@ clipping norm's summation order; see tests/test_hf_sft.py), and the resumed run'
 losses must be those of the run that went on (bit for bit). TRL's ``SFTTrainer`` (a Trainer
 subclass with its own dataset pipeline, collator and loss) runs the same way.
 
-Forcing the FSDP path on CPU: accelerate takes FSDP only on accelerator types (the Trainer
-then runs DDP); the Trainer subclass here sets, after the Trainer made its Accelerator,
-what accelerate sets on a GPU (``distributed_type = FSDP``, the plugin built from the
-Trainer's own ``fsdp_plugin_args``, the device ``cpu``: torch FSDP1 refuses ``cpu:0``).
+Forcing the FSDP path on a CPU: a Trainer subclass does, once the Trainer made its Accelerator, what
+[Note: Forcing a framework's FSDP path on a CPU] in tests/_frameworks.py says.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _frameworks import force_accelerate_fsdp, reset_accelerate, set_launcher_environment, tiny_llama
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -32,31 +31,13 @@ pytest.importorskip("transformers")
 RTOL = 1e-5
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config)
-
-
 def _force_fsdp(trainer, full_loads: bool):
-    """See the module docstring: what accelerate's AcceleratorState sets on a GPU machine."""
+    """After the Trainer made its Accelerator: see [Note: Forcing a framework's FSDP path on a CPU] (the plugin
+    built from the Trainer's own fsdp_plugin_args)."""
     from accelerate import FullyShardedDataParallelPlugin
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
 
-    plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
-    state = trainer.accelerator.state
-    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    state.device = PartialState._shared_state["device"] = torch.device("cpu")
-    # accelerate loads FULL checkpoints only with sync_module_states, which its plugin refuses to take on CPU
-    # (it makes a param_init_fn for the accelerator's device): set after construction, no param_init_fn needed.
-    # (torch's FSDP1 refuses it on CPU: only the runs that load get it.)
-    plugin.sync_module_states = full_loads
-    state.fsdp_plugin = plugin
+    force_accelerate_fsdp(trainer.accelerator.state, FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args),
+                          full_loads)
     trainer.is_fsdp_enabled = True
 
 
@@ -95,36 +76,29 @@ def _losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-
-
 def _trainer_runs(rank, world_size, tmp):
     import flatshard
     from transformers import Trainer, TrainingArguments
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    set_launcher_environment(rank, world_size)
     got = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _reset_accelerate()
-        torch_run = _cpu_fsdp(Trainer)(model=_llama(), args=_args(TrainingArguments, os.path.join(tmp, "t"), False),
+        reset_accelerate()
+        torch_run = _cpu_fsdp(Trainer)(model=tiny_llama(), args=_args(TrainingArguments, os.path.join(tmp, "t"), False),
                                        train_dataset=_Tokens())
         torch_run.train()
         got["torch"] = _losses(torch_run)
         flatshard.install_as_torch_fsdp()
         try:
-            _reset_accelerate()
-            ours = _cpu_fsdp(Trainer, full_loads=True)(model=_llama(), args=_args(TrainingArguments, os.path.join(tmp, "f"), True),
+            reset_accelerate()
+            ours = _cpu_fsdp(Trainer, full_loads=True)(model=tiny_llama(), args=_args(TrainingArguments, os.path.join(tmp, "f"), True),
                                       train_dataset=_Tokens())
             ours.train()
             got["flatshard"] = _losses(ours)
             got["wrapped"] = getattr(ours.model_wrapped, "_is_flatshard_unit", False)
-            _reset_accelerate()
-            resumed = _cpu_fsdp(Trainer, full_loads=True)(model=_llama(), args=_args(TrainingArguments, os.path.join(tmp, "f"), False),
+            reset_accelerate()
+            resumed = _cpu_fsdp(Trainer, full_loads=True)(model=tiny_llama(), args=_args(TrainingArguments, os.path.join(tmp, "f"), False),
                                          train_dataset=_Tokens())
             resumed.train(resume_from_checkpoint=os.path.join(tmp, "f", "checkpoint-2"))
             got["resumed"] = _losses(resumed)
@@ -159,16 +133,15 @@ def _sft_runs(rank, world_size, tmp):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    set_launcher_environment(rank, world_size)
     ids = torch.randint(1, 128, (16, 12), generator=torch.Generator().manual_seed(5)).tolist()
     data = Dataset.from_dict({"input_ids": ids})
 
     def sft(impl, save, resume=None):
-        _reset_accelerate()
+        reset_accelerate()
         args = _args(SFTConfig, os.path.join(tmp, impl), save, packing=False, max_length=12)
         trainer = _cpu_fsdp(SFTTrainer, full_loads=impl == "flatshard")(
-            model=_llama(), args=args, train_dataset=data, processing_class=_tokenizer())
+            model=tiny_llama(), args=args, train_dataset=data, processing_class=_tokenizer())
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 

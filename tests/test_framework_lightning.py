@@ -20,10 +20,10 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from _dist import run_distributed
-from models import ATOL, RTOL, Block, gpt_loss, local_slice, make_batch, make_gpt
+from _frameworks import set_launcher_environment
+from models import ATOL, RTOL, Block, gpt_loss, make_batch, make_gpt, train_gpt
 
 pytest.importorskip("lightning")
 
@@ -37,24 +37,11 @@ def _fabric(rank, world_size, state_dict_type):
     class CPUFSDPStrategy(FSDPStrategy):  # see the module docstring
         pass
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), RANK=str(rank))
+    set_launcher_environment(rank, world_size)
     fabric = Fabric(accelerator="cpu", devices=world_size,
                     strategy=CPUFSDPStrategy(auto_wrap_policy={Block}, state_dict_type=state_dict_type))
     fabric.launch()
     return fabric
-
-
-def _train(fabric, model, opt, steps, rank, world_size):
-    losses = []
-    for step in steps:
-        loss = gpt_loss(model, *local_slice(make_batch(seed=1000 + step), rank, world_size))
-        fabric.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return losses
 
 
 def _run(rank, world_size, tmp):
@@ -73,7 +60,7 @@ def _run(rank, world_size, tmp):
                 wrapped = model._forward_module
                 assert getattr(wrapped, "_is_flatshard_unit", False) and type(wrapped).__name__ == \
                     "FullyShardedDataParallel"
-                losses = _train(fabric, model, opt, range(SAVE_AT), rank, world_size)
+                losses = train_gpt(model, opt, range(SAVE_AT), rank, world_size, fabric.backward)
                 fabric.save(path, {"model": model, "optimizer": opt, "step": SAVE_AT})
 
                 model = fabric.setup_module(make_gpt(seed=7))  # other weights: the checkpoint must replace them
@@ -81,7 +68,8 @@ def _run(rank, world_size, tmp):
                 state = {"model": model, "optimizer": opt, "step": 0}
                 fabric.load(path, state)
                 assert state["step"] == SAVE_AT
-                got[state_dict_type] = losses + _train(fabric, model, opt, range(SAVE_AT, STEPS), rank, world_size)
+                got[state_dict_type] = losses + train_gpt(model, opt, range(SAVE_AT, STEPS), rank, world_size,
+                                                          fabric.backward)
     finally:
         flatshard.uninstall_as_torch_fsdp()
     return got

@@ -36,27 +36,12 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _frameworks import tiny_llama
 
 RTOL, ATOL = 1e-5, 1e-7
 
 pytest.importorskip("verl.utils.fsdp_utils", reason="verl (scripts/_setup.sh installs it)")
 pytest.importorskip("peft")
-
-
-def _llama(lora: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-        if lora:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                     init_lora_weights=False))
-    return model
 
 
 def _wrap(model, use_orig_params: bool, lora: bool):
@@ -75,7 +60,7 @@ def _ppo_like(rank, world_size, use_orig_params):
     # device (cuda:N). On this CPU-only machine the test names the CPU instead; the rest is verl's code.
     fsdp_utils.get_device_name, fsdp_utils.get_device_id = (lambda: "cpu"), (lambda: 0)
     out = {}
-    model = _wrap(_llama(False), use_orig_params, False)
+    model = _wrap(tiny_llama(), use_orig_params, False)
     out["fsdp_version"] = fsdp_utils.fsdp_version(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(7)).chunk(world_size)[rank]
@@ -109,11 +94,11 @@ def _lora(rank, world_size, use_orig_params):
     from peft.utils.save_and_load import get_peft_model_state_dict
     from verl.utils import fsdp_utils
 
-    local = _llama(True)
+    local = tiny_llama(lora=True)
     expected = {"whole": get_peft_model_state_dict(local), "layered": get_peft_model_state_dict(local),
                 "base": {k.replace(".base_layer", ""): v for k, v in local.base_model.model.state_dict().items()
                          if "lora_" not in k}}
-    model = _wrap(_llama(True), use_orig_params, True)
+    model = _wrap(tiny_llama(lora=True), use_orig_params, True)
     got = {}
     for layered in (False, True):
         params = fsdp_utils.collect_lora_params(model, layered_summon=layered, base_sync_done=True)
@@ -131,8 +116,8 @@ def _sharded_export(rank, world_size, use_orig_params):
     from torch.distributed.tensor import DTensor
     from verl.utils.fsdp_utils import get_fsdp_wrap_policy
 
-    local = _llama(False)
-    model = _llama(False)
+    local = tiny_llama()
+    model = tiny_llama()
     policy = get_fsdp_wrap_policy(model, config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     model = FSDP(model, auto_wrap_policy=policy, use_orig_params=use_orig_params, device_id=torch.device("cpu"),
                  device_mesh=init_device_mesh("cpu", (world_size,)))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _frameworks import tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -27,14 +28,7 @@ NEW_TOKENS = 8
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config).eval()
+    return tiny_llama(pad_token_id=0).eval()
 
 
 def _generate(model, prompt, eos):

@@ -20,19 +20,10 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _frameworks import tiny_llama
 from models import fsdp_class, local_slice
 
 STEPS = 4
-
-
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config)
 
 
 def _sft(rank, world_size, impl) -> list[float]:
@@ -42,7 +33,7 @@ def _sft(rank, world_size, impl) -> list[float]:
     FSDP = fsdp_class(impl)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = FSDP(_llama(), use_orig_params=True, device_id=torch.device("cpu"),
+        model = FSDP(tiny_llama(), use_orig_params=True, device_id=torch.device("cpu"),
                      auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
                                                         transformer_layer_cls={LlamaDecoderLayer}))
     no_decay = ("bias", "norm")
@@ -84,8 +75,8 @@ def _forward_and_generate_in_summon(rank, world_size, use_orig_params) -> dict:
 
     from flatshard import FullyShardedDataParallel as FSDP
 
-    reference = _llama().eval()
-    model = FSDP(_llama(), use_orig_params=use_orig_params,
+    reference = tiny_llama().eval()
+    model = FSDP(tiny_llama(), use_orig_params=use_orig_params,
                  auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
                                                     transformer_layer_cls={LlamaDecoderLayer}))
     model.eval()

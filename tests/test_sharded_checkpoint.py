@@ -27,7 +27,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _dist import run_distributed
-from models import ATOL, RTOL, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
+from models import ATOL, RTOL, Block, fsdp_class, make_gpt, train_gpt
 
 STEPS, SAVE_AT = 6, 3
 
@@ -41,17 +41,7 @@ def _build(impl: str = "flatshard", strategy: ShardingStrategy = ShardingStrateg
 
 
 def _train(model, opt, steps: range, rank: int, world_size: int) -> list[float]:
-    losses = []
-    for step in steps:
-        batch = local_slice(make_batch(seed=1000 + step), rank, world_size)
-        loss = gpt_loss(model, *batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return losses
+    return train_gpt(model, opt, steps, rank, world_size)
 
 
 def _uninterrupted(rank, world_size, strategy=ShardingStrategy.FULL_SHARD):

@@ -45,18 +45,10 @@ import torch.distributed.fsdp._runtime_utils as torch_runtime_utils
 from torch import nn
 
 from flatshard._common import FLAT_PARAM, is_unit, logger
+from flatshard.checkpoint import _state_dict_api
 
 ENV_VAR = "FLATSHARD_AS_TORCH_FSDP"
 TorchFSDP = torch_fsdp.FullyShardedDataParallel
-
-_DSD_FUNCTIONS = (
-    "get_model_state_dict",
-    "get_optimizer_state_dict",
-    "get_state_dict",
-    "set_model_state_dict",
-    "set_optimizer_state_dict",
-    "set_state_dict",
-)
 
 _lock = threading.Lock()
 _active = False
@@ -64,7 +56,7 @@ _active = False
 _undo: list[tuple[Any, str, Any]] = []
 _ABSENT = object()
 # torch's own functions, captured before any patching (what install() replaces, and _lazy_init's fallback).
-TORCH_ORIGINALS: dict[str, Callable] = {name: getattr(torch_dsd, name) for name in _DSD_FUNCTIONS}
+TORCH_ORIGINALS: dict[str, Callable] = dict(_state_dict_api.TORCH_FUNCTIONS)
 TORCH_ORIGINALS["_lazy_init"] = torch_runtime_utils._lazy_init
 
 
@@ -105,7 +97,6 @@ def uninstall() -> None:
 
 def _patch() -> None:
     from flatshard._torch_internals import refused_torch_methods
-    from flatshard.checkpoint import _state_dict_api
     from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
     refused = refused_torch_methods(TorchFSDP, FullyShardedDataParallel)
@@ -114,9 +105,10 @@ def _patch() -> None:
     for name, value in refused.items():
         _set(TorchFSDP, name, value)
     _set(TorchFSDP, FLAT_PARAM, _ABSENT)
-    replacements = {TORCH_ORIGINALS[name]: getattr(_state_dict_api, name) for name in _DSD_FUNCTIONS}
+    replacements = {TORCH_ORIGINALS[name]: getattr(_state_dict_api, name)
+                    for name in _state_dict_api.TORCH_FUNCTIONS}
     replacements[TORCH_ORIGINALS["_lazy_init"]] = _lazy_init
-    for name in _DSD_FUNCTIONS:
+    for name in _state_dict_api.TORCH_FUNCTIONS:
         _set(torch_dsd, name, replacements[TORCH_ORIGINALS[name]])
     _set(torch_runtime_utils, "_lazy_init", _lazy_init)
     _rebind_imported(replacements)

@@ -50,7 +50,7 @@ __all__ = [
 
 # torch's own functions, as they were when flatshard was imported: the fallbacks for models without flatshard
 # units call these, not the module's attributes (which the opt-in makes these functions themselves).
-_TORCH_DSD = {name: getattr(torch_dsd, name) for name in __all__ if name != "StateDictOptions"}
+TORCH_FUNCTIONS = {name: getattr(torch_dsd, name) for name in __all__ if name != "StateDictOptions"}
 
 TORCH_HELPERS_ERROR = (
     "torch.distributed.checkpoint.state_dict's get_state_dict / set_state_dict (and get/set_model_"
@@ -67,7 +67,7 @@ def get_model_state_dict(
 ) -> dict[str, Any]:
     """As torch's: the model's state dict, SHARDED (DTensors) or with ``full_state_dict`` FULL. Collective."""
     if not fsdp_modules(model):
-        return _TORCH_DSD["get_model_state_dict"](model, submodules=submodules, options=options)
+        return TORCH_FUNCTIONS["get_model_state_dict"](model, submodules=submodules, options=options)
     options = _checked(options, submodules, "get_model_state_dict")
     with _state_dict_type(model, options):
         state = model.state_dict()
@@ -92,7 +92,7 @@ def get_optimizer_state_dict(
     """
     optimizers = _as_tuple(optimizers)
     if not fsdp_modules(model):
-        return _TORCH_DSD["get_optimizer_state_dict"](model, optimizers, submodules=submodules, options=options)
+        return TORCH_FUNCTIONS["get_optimizer_state_dict"](model, optimizers, submodules=submodules, options=options)
     options = _checked(options, submodules, "get_optimizer_state_dict")
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     with _state_dict_type(model, options):
@@ -119,7 +119,7 @@ def get_state_dict(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """As torch's: ``(get_model_state_dict(...), get_optimizer_state_dict(...))``. Collective."""
     if not fsdp_modules(model):
-        return _TORCH_DSD["get_state_dict"](model, optimizers, submodules=submodules, options=options)
+        return TORCH_FUNCTIONS["get_state_dict"](model, optimizers, submodules=submodules, options=options)
     return (
         get_model_state_dict(model, submodules=submodules, options=options),
         get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options),
@@ -134,7 +134,7 @@ def set_model_state_dict(
     With ``broadcast_from_rank0`` only rank 0 needs to pass the (full) state dict.
     """
     if not fsdp_modules(model):
-        return _TORCH_DSD["set_model_state_dict"](model, model_state_dict, options=options)
+        return TORCH_FUNCTIONS["set_model_state_dict"](model, model_state_dict, options=options)
     options = _checked(options, None, "set_model_state_dict")
     if options.broadcast_from_rank0:
         model_state_dict = _broadcast(model_state_dict)
@@ -153,7 +153,7 @@ def set_optimizer_state_dict(
     its own param groups, in order, and the state of their parameters)."""
     optimizers = _as_tuple(optimizers)
     if not fsdp_modules(model):
-        return _TORCH_DSD["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
+        return TORCH_FUNCTIONS["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
     options = _checked(options, None, "set_optimizer_state_dict")
     if options.full_state_dict and (options.broadcast_from_rank0 or options.cpu_offload):
         optim_state_dict = _broadcast(optim_state_dict)  # as torch's rank0_only optimizer config: rank 0's
@@ -183,7 +183,7 @@ def set_state_dict(
     """As torch's: ``set_optimizer_state_dict`` then ``set_model_state_dict``; returns the model's
     missing and unexpected keys."""
     if not fsdp_modules(model):
-        return _TORCH_DSD["set_state_dict"](model, optimizers, model_state_dict=model_state_dict,
+        return TORCH_FUNCTIONS["set_state_dict"](model, optimizers, model_state_dict=model_state_dict,
                                         optim_state_dict=optim_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
     return set_model_state_dict(model, model_state_dict, options=options)
