@@ -282,3 +282,36 @@ LEGITIMATE = {"asymmetric_process_groups": _asymmetric_groups,
 @pytest.mark.parametrize("case", list(LEGITIMATE))
 def test_guard_lets_legitimate_scripts_through(case):
     run_distributed(LEGITIMATE[case], 2, timeout=DEADLINE)
+
+
+def _recover(rank, world_size, diverge):
+    """Every rank catches the error, skips the batch and goes on (issue 22, item 2). With ``diverge`` rank 1 runs
+    an evaluation forward of its own at step 2; without it every rank skips step 2 of its own accord: the
+    losses after must be the same."""
+    from flatshard import RankDivergenceError
+
+    model, opt = _trained_one_step(rank, world_size)
+    losses, caught = [], 0
+    for step in range(1, 6):
+        try:
+            if step == 2 and not diverge:
+                continue
+            if step == 2 and rank == 1:
+                with torch.no_grad():
+                    model(make_batch(seed=99)[0])
+            loss = gpt_loss(model, *local_slice(make_batch(seed=step), rank, world_size))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        except RankDivergenceError:
+            caught += 1
+        opt.zero_grad()
+    return losses, caught
+
+
+def test_training_goes_on_after_a_caught_divergence():
+    skipped = run_distributed(_recover, 2, False, timeout=DEADLINE)
+    recovered = run_distributed(_recover, 2, True, timeout=DEADLINE)
+    for rank in range(2):
+        assert recovered[rank][1] == 1 and skipped[rank][1] == 0, (recovered, skipped)
+        assert recovered[rank][0] == skipped[rank][0], f"rank {rank}: {recovered[rank][0]} vs {skipped[rank][0]}"

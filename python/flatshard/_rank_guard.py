@@ -64,6 +64,14 @@ _PHASES = ["forward", "backward", "state_dict()", "load_state_dict()", "summon_f
 _WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), reserved (2)
 
 
+# [Note: Recovering from a divergence]
+# A RankDivergenceError is raised by every rank at the same exchange, before the phase's first
+# collective, so no rank is left inside a collective. What still differs is the guard's own count of
+# forwards (a rank that ran an extra forward counted it): every rank takes the largest count of the
+# rows they all hold, and a training loop that catches the error, skips the batch on every rank
+# (zero_grad, next batch) and goes on passes the next checks. A backward check that raised left its
+# backward unfinished: the next forward drops that backward's partial gradients (abort_backward).
+
 # [Note: The guard under a fake process group]
 # Under torch's fake process group (backend "fake", torch.testing._internal.distributed.fake_pg:
 # one process plays one rank of a large job, every collective returns at once and writes
@@ -190,7 +198,11 @@ class RankGuard:
             return
         mine = {"phase": phase, "doing": doing, "forwards": self.forwards, "grad": grad, "no_sync": no_sync,
                 "model": description}
-        raise RankDivergenceError(_explain(self.ranks, _all_gather_objects(self.group, mine)))
+        message = _explain(self.ranks, _all_gather_objects(self.group, mine))
+        # Every rank raises here, from the same rows: they agree on the count from now on, so that a loop that
+        # catches the error and skips the batch on every rank goes on (see [Note: Recovering from a divergence]).
+        self.forwards = int(rows[:, 1].max())
+        raise RankDivergenceError(message)
 
     def counted_forward(self) -> None:
         self.forwards += 1
