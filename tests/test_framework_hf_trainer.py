@@ -76,45 +76,54 @@ def _losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def _trainer_runs(rank, world_size, tmp):
+def _runs(rank, world_size, tmp, trainer_class, args_class, make_data, **args_extra):
+    """torch's FSDP1 without checkpoints, then flatshard (the opt-in) saving at step 2, then flatshard resuming
+    from that checkpoint: each run's logged losses, and whether the trained model was flatshard's."""
     import flatshard
-    from transformers import Trainer, TrainingArguments
 
     set_launcher_environment(rank, world_size)
+
+    def train(impl, save, resume=None):
+        reset_accelerate()
+        trainer = _cpu_fsdp(trainer_class, full_loads=impl == "flatshard")(
+            model=tiny_llama(), args=_args(args_class, os.path.join(tmp, impl), save, **args_extra),
+            **make_data())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
     got = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reset_accelerate()
-        torch_run = _cpu_fsdp(Trainer)(model=tiny_llama(), args=_args(TrainingArguments, os.path.join(tmp, "t"), False),
-                                       train_dataset=_Tokens())
-        torch_run.train()
-        got["torch"] = _losses(torch_run)
+        got["torch"] = _losses(train("torch", save=False))
         flatshard.install_as_torch_fsdp()
         try:
-            reset_accelerate()
-            ours = _cpu_fsdp(Trainer, full_loads=True)(model=tiny_llama(), args=_args(TrainingArguments, os.path.join(tmp, "f"), True),
-                                      train_dataset=_Tokens())
-            ours.train()
-            got["flatshard"] = _losses(ours)
-            got["wrapped"] = getattr(ours.model_wrapped, "_is_flatshard_unit", False)
-            reset_accelerate()
-            resumed = _cpu_fsdp(Trainer, full_loads=True)(model=tiny_llama(), args=_args(TrainingArguments, os.path.join(tmp, "f"), False),
-                                         train_dataset=_Tokens())
-            resumed.train(resume_from_checkpoint=os.path.join(tmp, "f", "checkpoint-2"))
-            got["resumed"] = _losses(resumed)
+            trainer = train("flatshard", save=True)
+            got["flatshard"] = _losses(trainer)
+            got["is_flatshard"] = getattr(trainer.model_wrapped, "_is_flatshard_unit", False)
+            got["resumed"] = _losses(train("flatshard", save=False,
+                                           resume=os.path.join(tmp, "flatshard", "checkpoint-2")))
         finally:
             flatshard.uninstall_as_torch_fsdp()
     return got
 
 
-def test_hf_trainer_fsdp1_trains_saves_and_resumes_as_torch(tmp_path):
-    got = run_distributed(_trainer_runs, 2, str(tmp_path), timeout=280)[0]
-    assert got["wrapped"], "the Trainer's model is not flatshard's"
+def _check(got):
+    assert got["is_flatshard"], "the trainer's model is not flatshard's"
     assert len(got["flatshard"]) == len(got["torch"]) == 4
     torch.testing.assert_close(torch.tensor(got["flatshard"]), torch.tensor(got["torch"]), rtol=RTOL, atol=0,
                                msg=f"losses {got['flatshard']} vs torch {got['torch']}")
     # (log_history comes back with the checkpoint: the first two entries are the saved run's)
     assert got["resumed"] == got["flatshard"], f"resumed {got['resumed']} vs {got['flatshard']}"
+
+
+def _trainer_runs(rank, world_size, tmp):
+    from transformers import Trainer, TrainingArguments
+
+    return _runs(rank, world_size, tmp, Trainer, TrainingArguments, lambda: {"train_dataset": _Tokens()})
+
+
+def test_hf_trainer_fsdp1_trains_saves_and_resumes_as_torch(tmp_path):
+    _check(run_distributed(_trainer_runs, 2, str(tmp_path), timeout=280)[0])
 
 
 def _tokenizer():
@@ -129,43 +138,15 @@ def _tokenizer():
 
 
 def _sft_runs(rank, world_size, tmp):
-    import flatshard
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    set_launcher_environment(rank, world_size)
     ids = torch.randint(1, 128, (16, 12), generator=torch.Generator().manual_seed(5)).tolist()
-    data = Dataset.from_dict({"input_ids": ids})
-
-    def sft(impl, save, resume=None):
-        reset_accelerate()
-        args = _args(SFTConfig, os.path.join(tmp, impl), save, packing=False, max_length=12)
-        trainer = _cpu_fsdp(SFTTrainer, full_loads=impl == "flatshard")(
-            model=tiny_llama(), args=args, train_dataset=data, processing_class=_tokenizer())
-        trainer.train(resume_from_checkpoint=resume)
-        return trainer
-
-    got = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got["torch"] = _losses(sft("torch", save=False))
-        flatshard.install_as_torch_fsdp()
-        try:
-            trainer = sft("flatshard", save=True)
-            got["flatshard"] = _losses(trainer)
-            got["is_flatshard"] = getattr(trainer.model_wrapped, "_is_flatshard_unit", False)
-            got["resumed"] = _losses(sft("flatshard", save=False,
-                                         resume=os.path.join(tmp, "flatshard", "checkpoint-2")))
-        finally:
-            flatshard.uninstall_as_torch_fsdp()
-    return got
+    return _runs(rank, world_size, tmp, SFTTrainer, SFTConfig,
+                 lambda: {"train_dataset": Dataset.from_dict({"input_ids": ids}), "processing_class": _tokenizer()},
+                 packing=False, max_length=12)
 
 
 def test_trl_sft_trainer_fsdp1_trains_saves_and_resumes_as_torch(tmp_path):
     pytest.importorskip("trl")
-    got = run_distributed(_sft_runs, 2, str(tmp_path), timeout=280)[0]
-    assert got["is_flatshard"], "the SFTTrainer's model is not flatshard's"
-    assert len(got["flatshard"]) == len(got["torch"]) == 4
-    torch.testing.assert_close(torch.tensor(got["flatshard"]), torch.tensor(got["torch"]), rtol=RTOL, atol=0,
-                               msg=f"losses {got['flatshard']} vs torch {got['torch']}")
-    assert got["resumed"] == got["flatshard"], f"resumed {got['resumed']} vs {got['flatshard']}"
+    _check(run_distributed(_sft_runs, 2, str(tmp_path), timeout=280)[0])

@@ -170,10 +170,12 @@ def parent_slots(root: nn.Module) -> dict[nn.Module, tuple[nn.Module, str]]:
     return slots
 
 
-def unit_modules(module: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module]]:
+def unit_modules(module: nn.Module, ignored: set[nn.Module],
+                 is_inner_unit: Callable[[nn.Module], bool] = is_unit) -> Iterator[tuple[str, nn.Module]]:
     """(relative name, module) for the modules a unit owns: its subtree minus inner units and ignored ones
-    (nothing when the wrapped module is itself a unit: ``FSDP(FSDP(m))``)."""
-    if module in ignored or is_unit(module):
+    (nothing when the wrapped module is itself a unit: ``FSDP(FSDP(m))``). ``is_inner_unit``: what counts as
+    a unit (flatshard.plan passes the modules it plans to wrap)."""
+    if module in ignored or is_inner_unit(module):
         return
     stack = [("", module)]
     seen: set[int] = set()
@@ -186,7 +188,7 @@ def unit_modules(module: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[s
         children = [
             (join(prefix, name), c)
             for name, c in m.named_children()
-            if not is_unit(c) and c not in ignored
+            if not is_inner_unit(c) and c not in ignored
         ]
         stack.extend(reversed(children))
 

@@ -29,19 +29,19 @@ from flatshard._state import UnitState
 def move_shards_to_host(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                         non_blocking: bool = False) -> None:
     """Moves every unit's shard and gradient in ``model`` (and ``optimizer``'s state) to host memory."""
-    _move_all(model, optimizer, None, non_blocking)
+    _move_all(model, optimizer, False, non_blocking)
 
 
 def move_shards_to_device(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                           non_blocking: bool = False) -> None:
     """Moves them back to each unit's compute device (after ``move_shards_to_host``)."""
-    _move_all(model, optimizer, "device", non_blocking)
+    _move_all(model, optimizer, True, non_blocking)
 
 
-def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to: str | None, non_blocking: bool) -> None:
+def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to_device: bool, non_blocking: bool) -> None:
     units = fsdp_modules(model)
     if not units:
-        raise ValueError(f"flatshard.move_shards_to_{'device' if to else 'host'}: {type(model).__name__} has no "
+        raise ValueError(f"flatshard.move_shards_to_{'device' if to_device else 'host'}: {type(model).__name__} has no "
                          f"FullyShardedDataParallel units; wrap it first (or move it with .to()).")
     for root in fsdp_modules(model, root_only=True):
         root._lazy_init()
@@ -49,7 +49,7 @@ def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to: str
     for unit in units:
         s = unit._unit_state
         if s.handle is not None and not s.offload_params:
-            device = s.device if to else torch.device("cpu")
+            device = s.device if to_device else torch.device("cpu")
             move_shard(s, device, non_blocking)
             for p in [s.flat_param, *(s.orig_params if s.use_orig_params else [])]:
                 moved[id(p)] = device

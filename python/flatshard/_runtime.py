@@ -366,10 +366,8 @@ def _hook_outputs(output: Any, hook: Callable) -> None:
 
 @torch.compiler.disable  # (a compiled forward calls it as it is: the C++ handles are not traceable)
 def _guard_forward(root: RootState) -> None:
-    """The guard's check before a forward that will all-gather something (it checks, and counts, only
-    those: NO_SHARD forwards and those inside no_sync(keep_parameters_unsharded=True) after the first issue no
-    collective, and
-    ranks may run different numbers of them)."""
+    """The guard's check before a forward that will all-gather something: it checks, and counts, only those
+    (see [Note: Rank-divergence guard])."""
     if root.scheduler.count_sharded(root.sharded_handles):
         root.guard.check(root, "forward")
         root.guard.counted_forward()

@@ -57,7 +57,7 @@ def missing_attribute(unit: nn.Module, name: str) -> AttributeError:
 
 def refused_torch_methods(torch_class: type, flatshard_class: type) -> dict[str, Callable]:
     """For each method torch's FSDP1 class defines and flatshard's does not: one that raises
-    NotImplementedError naming it (shadowing torch's in the opt-in subclass)."""
+    NotImplementedError naming it (set on torch's class under the opt-in)."""
     ours = {name for klass in flatshard_class.__mro__ if klass is not object for name in vars(klass)}
     refused: dict[str, Callable] = {}
     for name, value in vars(torch_class).items():

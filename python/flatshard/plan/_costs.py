@@ -57,7 +57,6 @@ class UnitTraffic:
     reduce_scatter: int = 0
     all_reduce: int = 0
     replica_all_reduce: int = 0
-    all_gather_calls: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"all_gather": self.all_gather, "reduce_scatter": self.reduce_scatter, "all_reduce": self.all_reduce,
@@ -73,7 +72,6 @@ def unit_traffic(unit: PlannedUnit, shard_group_size: int, replicate_group_size:
             traffic.all_reduce = layout.padded_numel * reduce_size
         return traffic
     gathers = 1 + (unit.reshard_after_forward and not unit.is_root)
-    traffic.all_gather_calls = gathers
     traffic.all_gather = gathers * layout.shard_numel * _size(unit.param_dtype)
     if not unit.trainable_numel:
         return traffic

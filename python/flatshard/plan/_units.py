@@ -18,6 +18,7 @@ from torch import nn
 
 from flatshard import _C, _mixed_precision
 from flatshard._common import RESHARD_AFTER_FORWARD
+from flatshard._construction import unit_modules
 from flatshard.api import MixedPrecision, ShardingStrategy
 from flatshard.wrap import _plan_wraps
 
@@ -91,20 +92,11 @@ def planned_units(
 
 def _unit_params(target: nn.Module, other_units: set[nn.Module], ignored: set[nn.Module],
                  ignored_params: set[nn.Parameter]) -> list[nn.Parameter]:
-    """The parameters ``target``'s unit owns, trainable ones first (as build_flat_param orders them)."""
-    seen: set[int] = set()
-    params: list[nn.Parameter] = []
-    stack = [target]
-    visited: set[int] = set()
-    while stack:
-        module = stack.pop()
-        if id(module) in visited or module in ignored:
-            continue
-        visited.add(id(module))
+    """The parameters ``target``'s unit owns (shared ones once), trainable ones first (as build_flat_param orders
+    them with use_orig_params)."""
+    params: dict[int, nn.Parameter] = {}
+    for _, module in unit_modules(target, ignored, lambda m: m in other_units):
         for p in module._parameters.values():
-            if p is not None and p not in ignored_params and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        stack.extend(reversed([c for c in module.children() if c not in other_units]))
-    return sorted(params, key=lambda p: not p.requires_grad)
-
+            if p is not None and p not in ignored_params:
+                params.setdefault(id(p), p)
+    return sorted(params.values(), key=lambda p: not p.requires_grad)
