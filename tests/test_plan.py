@@ -170,3 +170,39 @@ def test_cli_plot(tmp_path):
                            "--plot", str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_measured_activations_extrapolate_from_one_and_two_layers(tmp_path):
+    """The CLI's activation term (``--batch-size``/``--seq-len``: one- and two-layer models measured, extrapolated
+    per layer) equals ``measure_activations`` of the whole four-layer model; the table shows it."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flatshard.plan import measure_activations
+
+    path = _llama_config(tmp_path, "small", 1000, 128, 256, 4, 4, 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    tokens = torch.randint(0, 1000, (2, 64))
+    direct = measure_activations(model, lambda m: m(input_ids=tokens, labels=tokens).loss)
+    done = subprocess.run([sys.executable, "-m", "flatshard.plan", "--hf-config", path, "--world-size", "8",
+                           "--batch-size", "2", "--seq-len", "64", "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["memory_per_rank"]["activations"] == direct
+    # Without a batch the term is left out, and the table says so.
+    done = subprocess.run([sys.executable, "-m", "flatshard.plan", "--hf-config", path, "--world-size", "8"],
+                          capture_output=True, text=True, timeout=60)
+    assert "activations                not measured" in done.stdout, done.stdout
+
+
+def test_measure_activations_errors():
+    from flatshard.plan import measure_activations
+
+    with pytest.raises(TypeError, match=r"model: expected an nn.Module but got Tensor"):
+        measure_activations(torch.zeros(2), lambda m: m.sum())
+    with pytest.raises(TypeError, match=r"loss_fn\(model\) must return the loss, a tensor of one element, but "
+                                        r"returned tuple"):
+        measure_activations(nn.Linear(2, 2), lambda m: (m(torch.ones(1, 2)).sum(),))
+    # The gradients are not counted: a model whose gradients dwarf its activations measures only the activations.
+    big = nn.Linear(1000, 1000)
+    assert measure_activations(big, lambda m: m(torch.ones(1, 1000)).sum()) < 64_000

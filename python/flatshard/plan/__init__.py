@@ -21,10 +21,11 @@ from typing import Any, Iterable
 from torch import nn
 
 from flatshard.api import CPUOffload, MixedPrecision, ShardingStrategy
+from flatshard.plan._activations import measure_activations
 from flatshard.plan._costs import RankMemory, UnitTraffic, rank_memory, unit_traffic
 from flatshard.plan._units import PlannedUnit, planned_units
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "measure_activations", "plan"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -84,14 +85,17 @@ class Plan:
             f"  gradients (sharded)        {m.gradients / gib:12.3f}",
             f"  optimizer state            {m.optimizer_state / gib:12.3f}",
             f"    of which on the host     {m.on_host / gib:12.3f}",
-            f"  unsharded, forward worst   {m.unsharded_forward / gib:12.3f}",
-            f"  unsharded, backward worst  {m.unsharded_backward / gib:12.3f}",
+            f"  in flight, forward worst   {m.forward_in_flight / gib:12.3f}",
+            f"  in flight, backward worst  {m.backward_in_flight / gib:12.3f}",
             f"  optimizer step temporaries {m.optimizer_step / gib:12.3f}",
         ]
         if m.no_sync_gradients:
             lines.append(f"    held across no_sync()    {m.no_sync_gradients / gib:12.3f}")
-        lines.append(f"  activations                {'not measured' if m.activations is None else f'{m.activations / gib:12.3f}'}")
-        lines.append(f"  device peak (flatshard's)  {m.device_peak / gib:12.3f}")
+        lines.append(f"  activations                "
+                     + ("not measured (give a batch: --batch-size and --seq-len, or activation_bytes=)" if m.activations is None else f"{m.activations / gib:12.3f}"))
+        lines.append(f"  device peak                {m.device_peak / gib:12.3f}")
+        if m.on_host:
+            lines.append(f"  device and host together   {m.combined_peak / gib:12.3f}")
         lines += ["", "collective input bytes per step, per rank (MiB)",
                   f"  {'unit':<28}{'x':>4}{'all_gather':>14}{'reduce_scatter':>16}{'all_reduce':>12}{'replica':>10}"]
         rows: list[tuple[str, int, dict[str, int]]] = []
@@ -139,6 +143,7 @@ def plan(
     activation_bytes: int | None = None,
     optimizer_foreach: bool = True,
     backend: str = "nccl",
+    device: str = "cuda",
 ) -> Plan:
     """What ``FullyShardedDataParallel(model, ...)`` at ``world_size`` ranks holds and moves per rank (see
     [Note: Planning]). ``model`` may be on the meta device. Hybrid strategies shard within groups of
@@ -147,7 +152,13 @@ def plan(
     ``activation_bytes``: what a forward and backward of the unwrapped model on one rank's batch holds beyond
     its parameters and gradients (its measured peak less its gradients), if measured (else left out).
     ``optimizer_foreach``: whether the optimizer steps every tensor at once (torch's default on GPUs) or one at a
-    time (on CPUs). ``backend``: "nccl" or "gloo" (whose all-gather holds a copy of its output while it runs)."""
+    time (on CPUs). ``backend``: "nccl", "gloo" (whose collectives hold temporaries while they run) or "fake" (torch's fake
+    process group: every collective completes at once).
+    ``device``: "cuda" or "cpu" (training on the host itself: offloaded shards are used where they are)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"flatshard.plan: device: expected 'cuda' or 'cpu' but got {device!r}")
+    if backend not in ("nccl", "gloo", "fake"):
+        raise ValueError(f"flatshard.plan: backend: expected 'nccl', 'gloo' or 'fake' but got {backend!r}")
     if world_size < 1:
         raise ValueError(f"flatshard.plan: world_size: expected >= 1 but got {world_size}")
     strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
@@ -163,5 +174,11 @@ def plan(
     units = planned_units(model, shard_factor, strategy, auto_wrap_policy, mixed_precision, offload,
                           use_orig_params, ignored_modules)
     traffic = [unit_traffic(u, shard_group, replicate_group) for u in units]
-    memory = rank_memory(units, optimizer, offload, no_sync, activation_bytes, optimizer_foreach, backend == "gloo")
+    memory = rank_memory(units, optimizer, offload, no_sync, activation_bytes, optimizer_foreach, backend,
+                         compute_on_host=device == "cpu", shard_group_size=shard_group)
     return Plan(world_size, strategy, shard_group, replicate_group, units, traffic, memory)
+
+
+# ``flatshard.plan`` is the function (the package binds it over the subpackage's name): it carries the helper, so
+# that ``flatshard.plan.measure_activations`` reads as the module's would.
+plan.measure_activations = measure_activations  # type: ignore[attr-defined]

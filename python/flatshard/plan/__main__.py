@@ -2,11 +2,15 @@
 
     python -m flatshard.plan --hf-config path/to/config.json --world-size 64 \\
         [--strategy FULL_SHARD] [--mixed-precision bf16] [--cpu-offload] [--optimizer adamw] \\
-        [--wrap LlamaDecoderLayer] [--ranks-per-host 8] [--no-sync] [--json] [--plot plan.png]
+        [--wrap LlamaDecoderLayer] [--ranks-per-host 8] [--no-sync] [--json] [--plot plan.png] \\
+        [--batch-size 2 --seq-len 4096]
 
 The model is built on the meta device from the config (``transformers``, nothing downloaded);
 ``--wrap`` names the classes to make units of (default: the model's ``_no_split_modules``,
-its decoder layer).
+its decoder layer). With ``--batch-size`` and ``--seq-len`` (one rank's batch) the activation term is
+measured (see [Note: Measuring activations]): the same config with one and with two layers is
+built for real (on the GPU when there is one, else the CPU) and stepped once each on random tokens,
+and the difference per layer is extrapolated to the config's depth; else it is left out.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-host", type=int, default=8, help="hybrid sharding's shard group size")
     parser.add_argument("--use-orig-params", action="store_true")
     parser.add_argument("--no-sync", action="store_true", help="the memory of accumulating with no_sync()")
+    parser.add_argument("--batch-size", type=int, help="one rank's batch: measure the activation term (with --seq-len)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence of that batch")
     parser.add_argument("--json", action="store_true", help="JSON instead of the table")
     parser.add_argument("--plot", metavar="PATH", help="also write a plot: memory per rank against world size for "
                                                        "each strategy, bytes per unit (needs matplotlib)")
@@ -57,12 +63,19 @@ def main(argv: list[str] | None = None) -> int:
         strategy = ShardingStrategy[args.strategy]
     except KeyError:
         parser.error(f"--strategy: expected one of {[s.name for s in ShardingStrategy]} but got {args.strategy!r}")
+    if (args.batch_size is None) != (args.seq_len is None):
+        parser.error("--batch-size and --seq-len go together (one rank's batch)")
+    activations = None
+    if args.batch_size is not None:
+        compute = mixed.param_dtype if mixed is not None else dtypes[args.dtype]
+        activations = _measured_activations(config, args.batch_size, args.seq_len, compute)
+
     def plan_at(world_size: int, strategy: ShardingStrategy):
         return make_plan(
             model, world_size, auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
             sharding_strategy=strategy, mixed_precision=mixed, cpu_offload=CPUOffload(offload_params=args.cpu_offload),
             use_orig_params=args.use_orig_params, optimizer=args.optimizer, ranks_per_host=args.ranks_per_host,
-            no_sync=args.no_sync)
+            no_sync=args.no_sync, activation_bytes=activations)
 
     result = plan_at(args.world_size, strategy)
     print(result.dumps() if args.json else result.table())
@@ -74,6 +87,30 @@ def main(argv: list[str] | None = None) -> int:
         plot(plan_at, sizes, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0
+
+
+def _measured_activations(config, batch: int, seq: int, dtype: torch.dtype) -> int:
+    """The activation term of the config's depth from real steps of one and two layers (per-layer terms are
+    the same for every layer of a decoder; what is outside the layers, embeddings and the loss, is in both)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from flatshard.plan import measure_activations
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers = config.num_hidden_layers
+    measured = []
+    for depth in (1, 2):
+        shallow = copy.deepcopy(config)
+        shallow.num_hidden_layers = depth
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(shallow, dtype=dtype)
+        tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+        measured.append(measure_activations(model, lambda m: m(input_ids=tokens, labels=tokens).loss))
+        del model
+    per_layer = max(0, measured[1] - measured[0])
+    return measured[0] + per_layer * (layers - 1)
 
 
 if __name__ == "__main__":

@@ -15,22 +15,27 @@ each collective, as the runtime counts them, see [Note: Collective byte counters
 Inside ``no_sync()`` the reductions wait for the first backward outside it.
 
 [Note: What a rank holds]
-Between steps: every unit's shard (the parameters' dtype), its gradient (after backward
-until ``zero_grad``) and the optimizer's per-element state (Adam: two tensors the shard's
-size; SGD with momentum: one), on the host with ``CPUOffload``. During a step, on top:
-unsharded buffers (``param_dtype``, padded) of the units in flight, the root's from its
-forward to the end of backward, with FULL_SHARD the current unit and the one being
-prefetched (the limiter lets two all-gathers be in flight), with SHARD_GRAD_OP every unit
-from its forward to its backward; in backward the unit's unsharded gradient
-(``param_dtype``) and its reduction's input (``reduce_dtype``, when that differs) and output.
-Inside ``no_sync()`` every unit's unsharded gradient is held until the reduction
-(``keep_parameters_unsharded=True``: the unsharded parameters too). The optimizer's step
-adds its temporaries (Adam: two the size of what it updates at once, every shard with
-``foreach``, torch's default on GPUs; one shard at a time, a third, the previous shard's,
-is still alive). Activations are the
-model's and not flatshard's: they come from a measured step when one is given (the peak of a
-plain local forward and backward on one rank's batch, less the gradients it made: its
-parameters were there before).
+Between steps: every unit's shard (the parameters' dtype) and the optimizer's per-element state
+(Adam: two tensors the shard's size; SGD with momentum: one), on the host with ``CPUOffload``.
+A step is then walked point by point (``_Timeline``), and the peak is the highest point:
+- forward: the root's unsharded buffer (it stays unsharded until the end of backward), with
+  FULL_SHARD the current unit's and the prefetched one's (the limiter lets two all-gathers be
+  in flight), with SHARD_GRAD_OP every unit's so far; the whole activation term;
+- each unit's backward, in reverse order: the same buffers, the unit's gradient work
+  (autograd's gradients of its parameters, its unsharded flat gradient in ``param_dtype``, the
+  cast to ``reduce_dtype``), the previous unit's reduction still in flight (its input), the
+  gradient shards of the units reduced so far (``zero_grad(set_to_none=True)`` left none), and
+  the activations not yet freed (the unit's share freed evenly over its backward);
+- the optimizer's step: every gradient shard and its temporaries (Adam: two the size of what it
+  updates at once, every shard with ``foreach``, torch's default on GPUs; one shard at a time,
+  a third, the previous shard's, is still alive).
+Inside ``no_sync()`` every unit holds its unsharded gradient until the first backward outside it
+reduces it (``keep_parameters_unsharded=True``: the unsharded parameters too). The backend adds
+its own: gloo's all-gather holds a flat copy of its output and its all-reduce (a reduce-scatter
+on gloo) a scratch of its input over the group, at most about 2 MB; torch's fake process group
+completes every collective at once, so nothing is in flight. Activations are the model's, not
+flatshard's: they come from a measured step when one is given ([Note: Measuring activations]).
+The plan against measured peaks: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -97,73 +102,117 @@ def _trainable_prefix(unit: PlannedUnit) -> int:
 
 @dataclasses.dataclass
 class RankMemory:
-    """Bytes one rank holds (see [Note: What a rank holds])."""
+    """Bytes one rank holds (see [Note: What a rank holds]): device and host apart, and together."""
 
     sharded_params: int
-    gradients: int
+    gradients: int  # gradient shards, from their unit's reduction to zero_grad
     optimizer_state: int
     on_host: int  # of the above, what CPUOffload keeps in host memory
-    unsharded_forward: int  # at the worst point of forward
-    unsharded_backward: int  # at the worst point of backward (gradients and reduction buffers included)
-    no_sync_gradients: int  # held across no_sync() micro-batches
+    forward_in_flight: int  # at the worst point of forward: unsharded buffers (and held no_sync gradients)
+    backward_in_flight: int  # at the worst point of backward: buffers, unsharded gradients, reductions, shards so far
+    no_sync_gradients: int  # unsharded gradients held across no_sync() micro-batches
     optimizer_step: int  # the optimizer's temporaries during its step
     activations: int | None  # from a measured step, or None
-
-    @property
-    def device_peak(self) -> int:
-        steady = self.sharded_params + self.gradients + self.optimizer_state - self.on_host
-        step = max(self.unsharded_forward, self.unsharded_backward) + (self.activations or 0)
-        return steady + max(step, 0 if self.on_host else self.optimizer_step)
+    device_peak: int  # the highest point of forward, backward and the optimizer's step, on the device
+    combined_peak: int  # the same with device and host in one memory (a run on a CPU, offloaded or not)
 
     def as_dict(self) -> dict[str, int | None]:
-        return {**dataclasses.asdict(self), "device_peak": self.device_peak}
+        return dataclasses.asdict(self)
 
 
 def rank_memory(units: list[PlannedUnit], optimizer: str, offload_params: bool, no_sync: bool,
-                activations: int | None = None, optimizer_foreach: bool = True, gloo: bool = False) -> RankMemory:
+                activations: int | None = None, optimizer_foreach: bool = True, backend: str = "nccl",
+                compute_on_host: bool = False, shard_group_size: int = 1) -> RankMemory:
+    """``compute_on_host``: the device is the host itself (a CPU run): offloaded shards are used where they are."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"flatshard.plan: optimizer: expected one of {sorted(OPTIMIZER_STATES)} but got {optimizer!r}")
     shards = sum(u.layout.shard_numel * _size(u.dtype) for u in units)
-    grads = sum(u.layout.shard_numel * _size(u.dtype) for u in units if u.trainable_numel)
-    optim = OPTIMIZER_STATES[optimizer] * sum(u.layout.shard_numel * _size(u.dtype) for u in units
-                                              if u.trainable_numel)
-    forward, backward = _unsharded_in_flight(units, offload_params, gloo)
-    held = sum(u.layout.padded_numel * _size(u.param_dtype) for u in units if u.trainable_numel) if no_sync else 0
-    trainable_shards = [u.layout.shard_numel * _size(u.dtype) for u in units if u.trainable_numel]
+    grads = sum(_grad_shard_bytes(u) for u in units)
+    optim = OPTIMIZER_STATES[optimizer] * grads
+    trainable_shards = [_grad_shard_bytes(u) for u in units if u.trainable_numel]
     step_temporaries = 0
     if OPTIMIZER_STATES[optimizer] == 2 and trainable_shards:
         step_temporaries = _adam_step_temporaries(trainable_shards, optimizer_foreach)
+    timeline = _Timeline(units, offload_params and not compute_on_host, backend, no_sync, activations or 0,
+                         shard_group_size)
+    on_host = (shards + grads + optim) if offload_params else 0
+    # On the device: what is there between steps, then the highest of forward, backward and the step.
+    device_steady = 0 if offload_params else shards + optim
+    device = device_steady + max(timeline.forward, timeline.backward(grads_on_device=not offload_params),
+                                 0 if offload_params else grads + step_temporaries)
+    combined = shards + optim + max(timeline.forward, timeline.backward(grads_on_device=True),
+                                    grads + step_temporaries)
     return RankMemory(
-        sharded_params=shards, gradients=grads, optimizer_state=optim, optimizer_step=step_temporaries,
-        on_host=(shards + grads + optim) if offload_params else 0,
-        unsharded_forward=forward, unsharded_backward=backward + held, no_sync_gradients=held,
-        activations=activations,
-    )
+        sharded_params=shards, gradients=grads, optimizer_state=optim, on_host=on_host,
+        forward_in_flight=timeline.forward - (activations or 0),
+        backward_in_flight=timeline.backward_in_flight(grads_on_device=not offload_params),
+        no_sync_gradients=timeline.held_across_no_sync, optimizer_step=step_temporaries, activations=activations,
+        device_peak=device, combined_peak=combined)
 
 
-def _unsharded_in_flight(units: list[PlannedUnit], offload_params: bool, gloo: bool) -> tuple[int, int]:
-    """The worst points of forward and backward (units in forward order; backward runs them in reverse)."""
-    root = sum(_unsharded_bytes(u, offload_params) for u in units if u.is_root)
-    root_grad = sum(_backward_grad_bytes(u) for u in units if u.is_root)
-    others = [u for u in units if not u.is_root]
-    if not others:
-        return root, root + root_grad
-    buffers = [_unsharded_bytes(u, offload_params) for u in others]
-    # gloo's all-gather writes a flat copy of its output while it runs (see [Note: gloo's temporaries]).
-    copies = [b if gloo and not u.replicated else 0 for u, b in zip(others, buffers)]
-    grads = [_backward_grad_bytes(u) for u in others]
-    # A unit's reduction is still in flight during the next unit's backward, its input held.
-    reducing = [u.layout.padded_numel * _size(u.reduce_dtype) if u.trainable_numel and not u.replicated else 0
-                for u in others] + [0]
-    n = len(others)
-    if any(u.reshard_after_forward for u in others):  # the current unit and the one prefetched
-        forward = root + max(buffers[i] + (buffers[i + 1] + copies[i + 1] if i + 1 < n else 0) for i in range(n))
-        backward = root + max(
-            buffers[i] + grads[i] + (buffers[i - 1] + copies[i - 1] if i else 0) + reducing[i + 1] for i in range(n))
-    else:  # every unit stays unsharded from its forward to its backward
-        forward = root + sum(buffers) + (copies[-1] if copies else 0)
-        backward = root + max(sum(buffers[: i + 1]) + grads[i] + reducing[i + 1] for i in range(n))
-    return forward, max(backward, root + root_grad + reducing[0])
+class _Timeline:
+    """The transient bytes of one step, point by point (see [Note: What a rank holds]): units in forward order
+    (the root's first: it stays unsharded from its forward to the end of backward); backward runs them in
+    reverse, each unit's gradient shard appearing at its reduction, activations freed as their units' backward
+    runs (evenly, for lack of a finer measure)."""
+
+    def __init__(self, units: list[PlannedUnit], copies_to_device: bool, backend: str, no_sync: bool,
+                 activations: int, group_size: int) -> None:
+        roots = [u for u in units if u.is_root]
+        others = [u for u in units if not u.is_root]
+        self.n = len(others)
+        self.activations = activations
+        self.root = sum(_unsharded_bytes(u, copies_to_device) + _backward_grad_bytes(u) for u in roots)
+        self.root_forward = sum(_unsharded_bytes(u, copies_to_device) for u in roots)
+        self.buffers = [_unsharded_bytes(u, copies_to_device) for u in others]
+        gloo = backend == "gloo"
+        # gloo's all-gather writes a flat copy of its output while it runs (see [Note: gloo's temporaries]).
+        self.copies = [b if gloo and not u.replicated else 0 for u, b in zip(others, self.buffers)]
+        self.grad_work = [_backward_grad_bytes(u) for u in others]
+        self.shards = [_grad_shard_bytes(u) for u in others]
+        self.root_shards = sum(_grad_shard_bytes(u) for u in roots)
+        # A unit's reduction is still in flight during the next unit's backward, its input held.
+        # (torch's fake process group completes every collective at once: nothing stays in flight)
+        in_flight = backend != "fake"
+        self.reducing = [_reduction_bytes(u, gloo, group_size) * in_flight for u in others] + [0]
+        self.root_reducing = sum(_reduction_bytes(u, gloo, group_size) * in_flight for u in roots)
+        self.resharding = any(u.reshard_after_forward for u in others)
+        # Across no_sync() micro-batches every unit holds its unsharded gradient (a replicated unit's too).
+        self.held = [_unsharded_grad_bytes(u) if no_sync else 0 for u in others]
+        self.replicated = [u.replicated for u in others]
+        self.root_held = sum(_unsharded_grad_bytes(u) if no_sync else 0 for u in roots)
+        self.held_across_no_sync = sum(self.held) + self.root_held
+        self.forward = self.root_forward + self._forward_buffers() + self.held_across_no_sync + activations
+
+    def _forward_buffers(self) -> int:
+        n, b, c = self.n, self.buffers, self.copies
+        if not n:
+            return 0
+        if self.resharding:  # the current unit and the one prefetched
+            return max(b[i] + (b[i + 1] + c[i + 1] if i + 1 < n else 0) for i in range(n))
+        return sum(b) + c[-1]  # every unit stays unsharded from its forward to its backward
+
+    def _backward_points(self, grads_on_device: bool) -> list[tuple[int, int]]:
+        """(bytes in flight without activations, activations still held) at each unit's backward, then the root's
+        reduction."""
+        n, b, c = self.n, self.buffers, self.copies
+        points = []
+        for i in range(n):
+            buffers = sum(b[: i + 1]) if not self.resharding else b[i] + (b[i - 1] + c[i - 1] if i else 0)
+            reduced = sum(self.shards[i + 1:]) if grads_on_device else 0  # units after i reduced already
+            # not yet reduced: what earlier micro-batches left (a sharded unit i accumulates into its gradient work)
+            held = sum(self.held[:i]) + (self.held[i] if self.replicated[i] else 0) + self.root_held
+            points.append((self.root + buffers + self.grad_work[i] + self.reducing[i + 1] + reduced + held,
+                           self.activations * (2 * i + 1) // (2 * n)))
+        reduced = sum(self.shards) if grads_on_device else 0
+        points.append((self.root + self.root_reducing + self.reducing[0] + reduced, 0))
+        return points
+
+    def backward(self, grads_on_device: bool) -> int:
+        return max(in_flight + acts for in_flight, acts in self._backward_points(grads_on_device))
+
+    def backward_in_flight(self, grads_on_device: bool) -> int:
+        return max(self._backward_points(grads_on_device), key=sum)[0]
 
 
 def _adam_step_temporaries(shards: list[int], foreach: bool) -> int:
@@ -181,6 +230,29 @@ def _unsharded_bytes(unit: PlannedUnit, offload_params: bool) -> int:
     if unit.replicated and unit.param_dtype == unit.dtype and not offload_params:
         return 0
     return unit.layout.padded_numel * _size(unit.param_dtype)
+
+
+def _grad_shard_bytes(unit: PlannedUnit) -> int:
+    return unit.layout.shard_numel * _size(unit.dtype) if unit.trainable_numel else 0
+
+
+def _unsharded_grad_bytes(unit: PlannedUnit) -> int:
+    return unit.layout.padded_numel * _size(unit.param_dtype) if unit.trainable_numel else 0
+
+
+# gloo's all-reduce (a reduce-scatter on gloo is one, in place) works through a scratch buffer of its input's size over
+# the group's size, at most about 2 MB (measured: 1 MB for 4 MB over 4 ranks, 2 MB for 16 MB over 2 or 4 ranks).
+GLOO_ALL_REDUCE_SCRATCH_CAP = 2_000_000
+
+
+def _reduction_bytes(unit: PlannedUnit, gloo: bool, group_size: int) -> int:
+    """What a unit's gradient reduction holds while in flight: its input (a replicated unit reduces its gradient
+    in place), and gloo's scratch."""
+    if not unit.trainable_numel or group_size == 1:
+        return 0
+    nbytes = unit.layout.padded_numel * _size(unit.reduce_dtype)
+    scratch = min(nbytes // group_size, GLOO_ALL_REDUCE_SCRATCH_CAP) if gloo else 0
+    return (0 if unit.replicated else nbytes) + scratch
 
 
 def _backward_grad_bytes(unit: PlannedUnit) -> int:
