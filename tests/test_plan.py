@@ -206,3 +206,39 @@ def test_measure_activations_errors():
     # The gradients are not counted: a model whose gradients dwarf its activations measures only the activations.
     big = nn.Linear(1000, 1000)
     assert measure_activations(big, lambda m: m(torch.ones(1, 1000)).sum()) < 64_000
+
+
+def test_step_time_model():
+    """[Note: The timing model]: ring costs by hand for the tests' GPT; overlapping hides communication, never
+    more than all of it; a free network costs nothing."""
+    import flatshard
+    from flatshard.plan import NVLINK, Network
+
+    meta, policy = _build("gpt", "meta")
+    compute = (0.010, 0.020, 0.005)
+    net = Network("test", bandwidth=1e9, latency=1e-5, step_latency=2e-6)
+    serial = flatshard.plan(meta, 4, auto_wrap_policy=policy, network=net, compute=compute, overlap=False)
+    t = serial.timing
+    # By hand: every unit's all-gathers (the root once, blocks twice) and reduce-scatters; the guard's two exchanges.
+    w, expected = 4, {}
+    for u in serial.units:
+        shard, padded = u.layout.shard_numel * 4, u.layout.padded_numel * 4
+        gathers = 1 if u.is_root else 2
+        expected["all_gather"] = expected.get("all_gather", 0) + gathers * (1e-5 + 3 * 2e-6 + 3 * shard / 1e9)
+        expected["reduce_scatter"] = expected.get("reduce_scatter", 0) + 1e-5 + 3 * 2e-6 + 0.75 * padded / 1e9
+    expected["rank_guard"] = 2 * (1e-5 + 3 * 2e-6 + 3 * 64 / 1e9)
+    assert t.per_kind == pytest.approx(expected)
+    assert t.step == pytest.approx(sum(compute) + sum(expected.values()))
+    overlapped = flatshard.plan(meta, 4, auto_wrap_policy=policy, network=net, compute=compute, overlap=True).timing
+    assert sum(compute) <= overlapped.step < t.step
+    assert 0 < overlapped.exposed_communication < t.exposed_communication
+    free = Network("free", bandwidth=1e30)
+    assert flatshard.plan(meta, 4, auto_wrap_policy=policy, network=free, compute=compute).timing.step == \
+        pytest.approx(sum(compute))
+    # Without compute the step is the communication alone; named networks; bad input names what is wrong.
+    alone = flatshard.plan(meta, 64, auto_wrap_policy=policy, network="nvlink").timing
+    assert alone.network == NVLINK.name and alone.step >= alone.communication * 0.999 and alone.compute == 0
+    with pytest.raises(ValueError, match=r"network: expected one of \['infiniband', 'nvlink'\] or a Network"):
+        flatshard.plan(meta, 4, auto_wrap_policy=policy, network="ethernet")
+    with pytest.raises(ValueError, match=r"expected a positive bandwidth"):
+        Network("bad", bandwidth=0)

@@ -23,9 +23,10 @@ from torch import nn
 from flatshard.api import CPUOffload, MixedPrecision, ShardingStrategy
 from flatshard.plan._activations import measure_activations
 from flatshard.plan._costs import RankMemory, UnitTraffic, rank_memory, unit_traffic
+from flatshard.plan._timing import INFINIBAND, NETWORKS, NVLINK, Network, StepTime, measure_compute, step_time
 from flatshard.plan._units import PlannedUnit, planned_units
 
-__all__ = ["Plan", "measure_activations", "plan"]
+__all__ = ["INFINIBAND", "NVLINK", "Network", "Plan", "StepTime", "measure_activations", "measure_compute", "plan"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -41,6 +42,7 @@ class Plan:
     units: list[PlannedUnit]
     traffic: list[UnitTraffic]  # per unit, one step
     memory: RankMemory
+    timing: StepTime | None = None  # with a network (and the measured compute)
 
     @property
     def total_numel(self) -> int:
@@ -69,6 +71,7 @@ class Plan:
             ],
             "step_collective_bytes": self.step_bytes(),
             "memory_per_rank": self.memory.as_dict(),
+            "step_time": None if self.timing is None else self.timing.as_dict(),
         }
 
     def table(self) -> str:
@@ -112,6 +115,15 @@ class Plan:
         total = self.step_bytes()
         lines.append(f"  {'total':<32}{total['all_gather'] / mib:14.2f}{total['reduce_scatter'] / mib:16.2f}"
                      f"{total['all_reduce'] / mib:12.2f}{total['replica_all_reduce'] / mib:10.2f}")
+        if self.timing is not None:
+            t, ms = self.timing, 1e3
+            lines += ["", f"one step's time (ms), {t.network}, collectives {'overlapping' if t.overlap else 'after'} "
+                          f"the compute",
+                      f"  compute (measured)         {t.compute * ms:12.2f}" + ("  (not given)" if not t.compute else ""),
+                      f"  collectives                {t.communication * ms:12.2f}   "
+                      + ", ".join(f"{k} {v * ms:.2f}" for k, v in sorted(t.per_kind.items())),
+                      f"  exposed communication      {t.exposed_communication * ms:12.2f}",
+                      f"  step                       {t.step * ms:12.2f}"]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -144,6 +156,9 @@ def plan(
     optimizer_foreach: bool = True,
     backend: str = "nccl",
     device: str = "cuda",
+    network: Network | str | None = None,
+    compute: tuple[float, float, float] | None = None,
+    overlap: bool | None = None,
 ) -> Plan:
     """What ``FullyShardedDataParallel(model, ...)`` at ``world_size`` ranks holds and moves per rank (see
     [Note: Planning]). ``model`` may be on the meta device. Hybrid strategies shard within groups of
@@ -154,7 +169,10 @@ def plan(
     ``optimizer_foreach``: whether the optimizer steps every tensor at once (torch's default on GPUs) or one at a
     time (on CPUs). ``backend``: "nccl", "gloo" (whose collectives hold temporaries while they run) or "fake" (torch's fake
     process group: every collective completes at once).
-    ``device``: "cuda" or "cpu" (training on the host itself: offloaded shards are used where they are)."""
+    ``device``: "cuda" or "cpu" (training on the host itself: offloaded shards are used where they are).
+    ``network`` ("nvlink", "infiniband" or a ``Network``) and ``compute`` (seconds of the forward, backward and
+    optimizer step of one rank's batch, ``measure_compute``): one step's time (see [Note: The timing model]);
+    ``overlap``: whether collectives overlap the compute (default: on "cuda")."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"flatshard.plan: device: expected 'cuda' or 'cpu' but got {device!r}")
     if backend not in ("nccl", "gloo", "fake"):
@@ -176,9 +194,20 @@ def plan(
     traffic = [unit_traffic(u, shard_group, replicate_group) for u in units]
     memory = rank_memory(units, optimizer, offload, no_sync, activation_bytes, optimizer_foreach, backend,
                          compute_on_host=device == "cpu", shard_group_size=shard_group)
-    return Plan(world_size, strategy, shard_group, replicate_group, units, traffic, memory)
+    timing = None
+    if network is not None:
+        if isinstance(network, str):
+            if network not in NETWORKS:
+                raise ValueError(f"flatshard.plan: network: expected one of {sorted(NETWORKS)} or a Network but got "
+                                 f"{network!r}")
+            network = NETWORKS[network]
+        timing = step_time(units, shard_group, replicate_group, network, compute or (0.0, 0.0, 0.0),
+                           overlap=device == "cuda" if overlap is None else overlap, gloo=backend == "gloo")
+    return Plan(world_size, strategy, shard_group, replicate_group, units, traffic, memory, timing)
 
 
 # ``flatshard.plan`` is the function (the package binds it over the subpackage's name): it carries the helper, so
 # that ``flatshard.plan.measure_activations`` reads as the module's would.
 plan.measure_activations = measure_activations  # type: ignore[attr-defined]
+plan.measure_compute = measure_compute  # type: ignore[attr-defined]
+plan.Network, plan.NVLINK, plan.INFINIBAND = Network, NVLINK, INFINIBAND  # type: ignore[attr-defined]

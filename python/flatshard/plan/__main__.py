@@ -3,14 +3,17 @@
     python -m flatshard.plan --hf-config path/to/config.json --world-size 64 \\
         [--strategy FULL_SHARD] [--mixed-precision bf16] [--cpu-offload] [--optimizer adamw] \\
         [--wrap LlamaDecoderLayer] [--ranks-per-host 8] [--no-sync] [--json] [--plot plan.png] \\
-        [--batch-size 2 --seq-len 4096]
+        [--batch-size 2 --seq-len 4096] [--network nvlink]
 
 The model is built on the meta device from the config (``transformers``, nothing downloaded);
 ``--wrap`` names the classes to make units of (default: the model's ``_no_split_modules``,
 its decoder layer). With ``--batch-size`` and ``--seq-len`` (one rank's batch) the activation term is
 measured (see [Note: Measuring activations]): the same config with one and with two layers is
 built for real (on the GPU when there is one, else the CPU) and stepped once each on random tokens,
-and the difference per layer is extrapolated to the config's depth; else it is left out.
+and the difference per layer is extrapolated to the config's depth; else it is left out. The same
+steps give the compute time (forward, backward, AdamW's step) that ``--network`` lays the
+collectives against (see [Note: The timing model]); without a batch, ``--network`` gives the
+collectives' time alone.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sync", action="store_true", help="the memory of accumulating with no_sync()")
     parser.add_argument("--batch-size", type=int, help="one rank's batch: measure the activation term (with --seq-len)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence of that batch")
+    parser.add_argument("--network", choices=["nvlink", "infiniband"],
+                        help="the step's time over this network (with --batch-size: against the measured compute)")
     parser.add_argument("--json", action="store_true", help="JSON instead of the table")
     parser.add_argument("--plot", metavar="PATH", help="also write a plot: memory per rank against world size for "
                                                        "each strategy, bytes per unit (needs matplotlib)")
@@ -65,17 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--strategy: expected one of {[s.name for s in ShardingStrategy]} but got {args.strategy!r}")
     if (args.batch_size is None) != (args.seq_len is None):
         parser.error("--batch-size and --seq-len go together (one rank's batch)")
-    activations = None
+    activations = compute = None
     if args.batch_size is not None:
-        compute = mixed.param_dtype if mixed is not None else dtypes[args.dtype]
-        activations = _measured_activations(config, args.batch_size, args.seq_len, compute)
+        compute_dtype = mixed.param_dtype if mixed is not None else dtypes[args.dtype]
+        activations, compute = _measured_step(config, args.batch_size, args.seq_len, compute_dtype)
 
     def plan_at(world_size: int, strategy: ShardingStrategy):
         return make_plan(
             model, world_size, auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
             sharding_strategy=strategy, mixed_precision=mixed, cpu_offload=CPUOffload(offload_params=args.cpu_offload),
             use_orig_params=args.use_orig_params, optimizer=args.optimizer, ranks_per_host=args.ranks_per_host,
-            no_sync=args.no_sync, activation_bytes=activations)
+            no_sync=args.no_sync, activation_bytes=activations, network=args.network, compute=compute)
 
     result = plan_at(args.world_size, strategy)
     print(result.dumps() if args.json else result.table())
@@ -89,28 +94,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measured_activations(config, batch: int, seq: int, dtype: torch.dtype) -> int:
-    """The activation term of the config's depth from real steps of one and two layers (per-layer terms are
-    the same for every layer of a decoder; what is outside the layers, embeddings and the loss, is in both)."""
+def _measured_step(config, batch: int, seq: int, dtype: torch.dtype) -> tuple[int, tuple[float, float, float]]:
+    """The activation term and the compute seconds (forward, backward, AdamW's step) of the config's depth, from
+    real steps of one and two layers (a decoder's layers are alike; what is outside them, the embeddings and the
+    loss, is in both), extrapolated per layer."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
-    from flatshard.plan import measure_activations
+    from flatshard.plan import measure_activations, measure_compute
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layers = config.num_hidden_layers
-    measured = []
+    activations, seconds = [], []
     for depth in (1, 2):
         shallow = copy.deepcopy(config)
         shallow.num_hidden_layers = depth
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(shallow, dtype=dtype)
         tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-        measured.append(measure_activations(model, lambda m: m(input_ids=tokens, labels=tokens).loss))
+        loss = lambda m: m(input_ids=tokens, labels=tokens).loss  # noqa: E731
+        activations.append(measure_activations(model, loss))
+        seconds.append(measure_compute(model, loss, torch.optim.AdamW(model.parameters()), repeats=3))
         del model
-    per_layer = max(0, measured[1] - measured[0])
-    return measured[0] + per_layer * (layers - 1)
+    print(f"flatshard.plan: activations and compute measured on {device} ({torch.cuda.get_device_name(device) if "
+          f"device.type == 'cuda' else 'this host'}), {dtype}, one and two layers extrapolated to {layers}",
+          file=sys.stderr)
+    per_layer = max(0, activations[1] - activations[0])
+    compute = tuple(one + max(0.0, two - one) * (layers - 1) for one, two in zip(*seconds))
+    return activations[0] + per_layer * (layers - 1), compute  # type: ignore[return-value]
 
 
 if __name__ == "__main__":
