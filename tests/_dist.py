@@ -70,12 +70,24 @@ from typing import Any, Callable
 
 __all__ = [
     "DistributedTestFailure",
+    "abandon_group",
     "DistributedTestTimeout",
     "WORLD_SIZES",
     "check_same_outcome",
     "run_distributed",
     "world_sizes",
 ]
+
+_GROUP_ABANDONED = False
+
+
+def abandon_group() -> None:
+    """Called by a rank function whose process group holds collectives that will never pair (a test of
+    exactly that): the harness then neither runs its closing barrier nor destroys the group (both would
+    wait on them); the rank's process ends with its result as always."""
+    global _GROUP_ABANDONED
+    _GROUP_ABANDONED = True
+
 
 def check_same_outcome(what: str, error: str | None, group) -> None:
     """Inside a rank running several cases: raises unless every rank ended ``what`` alike.
@@ -230,7 +242,7 @@ def _child_main(
             timeout=timedelta(seconds=pg_timeout_s),
         )
         result = fn(rank, world_size, *args, **kwargs)
-        if dist.is_initialized():
+        if dist.is_initialized() and not _GROUP_ABANDONED:
             # Without it a fast rank could exit while a peer is still connecting to it
             # (init has no barrier), failing the peer with "Connection closed by peer".
             dist.barrier()

@@ -241,4 +241,29 @@ PYBIND11_MODULE(_C, m) {
       },
       "{process group name: {kind: (calls, input bytes)}} of the runtime's collectives since the last reset.");
   m.def("reset_collective_counts", &flatshard::reset_collective_counts);
+  // See [Note: Stalled waits]. The callable is held for the life of the process (a wait may still run
+  // during interpreter exit, when a Python object could no longer be released).
+  m.def(
+      "set_stall_hook",
+      [](py::object hook, double first_seconds, double every_seconds) {
+        if (hook.is_none()) {
+          flatshard::set_stall_hook({}, 0, 0);
+          return;
+        }
+        auto* held = new py::object(std::move(hook));
+        flatshard::set_stall_hook(
+            [held](const std::string& what, double waited, const std::string& error) -> std::string {
+              py::gil_scoped_acquire gil;
+              try {
+                return (*held)(what, waited, error).cast<std::string>();
+              } catch (py::error_already_set& e) {
+                e.discard_as_unraisable("flatshard's stall hook");
+                return "";
+              }
+            },
+            first_seconds, every_seconds);
+      },
+      py::arg("hook"), py::arg("first_seconds") = 1.0, py::arg("every_seconds") = 0.5,
+      "hook(what, waited_seconds, error) -> '' to keep waiting (or, for a failed wait, its error), else the error to "
+      "raise (see [Note: Stalled waits]); None: off.");
 }

@@ -7,6 +7,8 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -116,8 +118,30 @@ CommWork track_work(c10::intrusive_ptr<c10d::Work> work) {
   return CommWork([work]() { work->wait(); }, [work]() { return work->isCompleted(); });
 }
 
+// Waits for `future` at most `seconds`: a completion callback wakes the waiter (added only when
+// a wait would block, i.e. only for the stall hook's slices, see [Note: Stalled waits]).
+bool wait_future_for(const c10::intrusive_ptr<c10::ivalue::Future>& future, double seconds) {
+  if (future->completed()) return true;
+  struct Signal {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto signal = std::make_shared<Signal>();
+  future->addCallback([signal](c10::ivalue::Future&) {
+    {
+      std::lock_guard<std::mutex> lock(signal->mutex);
+      signal->done = true;
+    }
+    signal->cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(signal->mutex);
+  return signal->cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return signal->done; });
+}
+
 CommWork track_future(c10::intrusive_ptr<c10::ivalue::Future> future) {
-  return CommWork([future]() { future->waitAndThrow(); }, [future]() { return future->completed(); });
+  return CommWork([future]() { future->waitAndThrow(); }, [future]() { return future->completed(); },
+                  [future](double seconds) { return wait_future_for(future, seconds); });
 }
 
 // See [Note: c10d's names for the single-tensor collectives].
@@ -140,8 +164,63 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, 
 
 }  // namespace
 
-void CommWork::wait() {
+namespace {
+struct StallWatch {
+  std::mutex mutex;
+  StallHook hook;
+  double first_seconds = 0;
+  double every_seconds = 0;
+};
+StallWatch& stall_watch() {
+  static StallWatch* watch = new StallWatch();  // (never destroyed: waits may run during interpreter exit)
+  return *watch;
+}
+}  // namespace
+
+void set_stall_hook(StallHook hook, double first_seconds, double every_seconds) {
+  TORCH_CHECK(!hook || (first_seconds > 0 && every_seconds > 0), "flatshard: the stall hook's intervals must be "
+              "positive but got ", first_seconds, " and ", every_seconds);
+  StallWatch& watch = stall_watch();
+  std::lock_guard<std::mutex> lock(watch.mutex);
+  watch.hook = std::move(hook);
+  watch.first_seconds = first_seconds;
+  watch.every_seconds = every_seconds;
+}
+
+void CommWork::wait(const std::string& what) {
   if (!wait_ || waited_) return;
+  if (wait_seconds_) {  // see [Note: Stalled waits]
+    StallHook hook;
+    double first = 0, every = 0;
+    {
+      StallWatch& watch = stall_watch();
+      std::lock_guard<std::mutex> lock(watch.mutex);
+      hook = watch.hook;
+      first = watch.first_seconds;
+      every = watch.every_seconds;
+    }
+    double waited = 0;
+    if (hook && !wait_seconds_(first)) {
+      waited = first;
+      for (;;) {
+        std::string verdict = hook(what, waited, "");
+        if (!verdict.empty()) throw RankDivergence(verdict);
+        if (wait_seconds_(every)) break;
+        waited += every;
+      }
+    }
+    if (hook) {
+      try {
+        wait_();
+      } catch (const std::exception& e) {
+        std::string verdict = hook(what, waited, e.what());
+        if (!verdict.empty()) throw RankDivergence(verdict);
+        throw;
+      }
+      waited_ = true;
+      return;
+    }
+  }
   wait_();
   waited_ = true;
 }

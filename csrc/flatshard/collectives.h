@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,27 @@ class Work;
 
 namespace flatshard {
 
+// Ranks about to issue different collectives, or waiting in collectives their peers will never
+// issue (the strict sequence check, [Note: Collective sequence check]; a stalled wait,
+// [Note: Stalled waits]): Python sees flatshard.RankDivergenceError, as for the guard's own checks.
+class RankDivergence : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// [Note: Stalled waits]
+// A host wait on a collective that has not completed after `first_seconds` calls the stall hook
+// (set from Python: python/flatshard/_stall_watch.py), then again every `every_seconds`, with
+// what is waited for ("the all-gather of unit 'blocks.3'") and for how long, and once more if the
+// wait fails (with the error: a peer's connection closed, say). The hook publishes
+// where this rank is and reads where its peers are; a non-empty answer is the verdict that the
+// collective will never complete (a peer left the step, or waits in another model's step), thrown
+// as RankDivergence (for a failed wait: in place of the backend's error). No hook (the default), or a wait that completes within `first_seconds`,
+// costs nothing more than a plain wait. Only waits that block the host (gloo's) can stall here.
+using StallHook =
+    std::function<std::string(const std::string& what, double waited_seconds, const std::string& error)>;
+void set_stall_hook(StallHook hook, double first_seconds, double every_seconds);
+
 // A collective in flight. wait() blocks the host until the result is usable
 // on the current stream (gloo), or makes the current stream wait for it
 // without blocking the host (NCCL). Safe to call twice; throws the
@@ -30,15 +52,18 @@ namespace flatshard {
 class CommWork {
  public:
   CommWork() = default;
-  CommWork(std::function<void()> wait, std::function<bool()> is_completed)
-      : wait_(std::move(wait)), is_completed_(std::move(is_completed)) {}
+  CommWork(std::function<void()> wait, std::function<bool()> is_completed,
+           std::function<bool(double)> wait_seconds = {})
+      : wait_(std::move(wait)), is_completed_(std::move(is_completed)), wait_seconds_(std::move(wait_seconds)) {}
   bool defined() const { return static_cast<bool>(wait_); }
-  void wait();
+  // `what`: what the wait is for, for the stall hook (see [Note: Stalled waits]).
+  void wait(const std::string& what = "");
   bool is_completed() const { return !wait_ || waited_ || is_completed_(); }
 
  private:
   std::function<void()> wait_;
   std::function<bool()> is_completed_;
+  std::function<bool(double)> wait_seconds_;  // waits at most that long; true once completed (host waits only)
   bool waited_ = false;
 };
 

@@ -24,7 +24,9 @@ bool device_has_events(const c10::Device& device) { return device.type() != c10:
 // unit and the collective, as the same kind of error (c10::DistBackendError stays one).
 void wait_for(CommWork& work, const FlatParam& unit, const std::string& what) {
   try {
-    work.wait();
+    work.wait("the " + what + " of unit '" + (unit.name().empty() ? "<root>" : unit.name()) + "'");
+  } catch (const RankDivergence&) {
+    throw;  // a stalled wait's verdict (see [Note: Stalled waits]), as it is
   } catch (const c10::DistBackendError& e) {
     C10_THROW_ERROR(DistBackendError, "flatshard: the " + what + " of unit '" +
                                           (unit.name().empty() ? "<root>" : unit.name()) + "' failed: " +

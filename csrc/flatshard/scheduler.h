@@ -67,13 +67,6 @@
 
 namespace flatshard {
 
-// Ranks about to issue different collectives (the strict sequence check, see [Note: Collective
-// sequence check]): Python sees flatshard.RankDivergenceError, as for the guard's own checks.
-class RankDivergence : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 class Scheduler {
  public:
   // shard: the group the root's units are sharded over. replicate: for hybrid

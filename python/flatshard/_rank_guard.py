@@ -35,8 +35,8 @@ skew between the ranks it absorbs; benchmarks/guard_cost.py measures it.
 
 What it cannot see: ranks that agree on every phase but not within one (a unit run on one
 rank only, as data-dependent mixture-of-experts routing can do): the strict mode is for
-that. A rank whose backward raised after its first reduction left its peers waiting on
-collectives it will not issue: they fail at the group's timeout, with the unit's name.
+that. A rank that leaves a step after its collectives began (its forward or backward raised and it
+went on alone), two models run in different orders, a peer that died: [Note: Stalled waits].
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from flatshard import _C
+from flatshard import _C, _stall_watch
 from flatshard._profiling import collective_range
 
 if TYPE_CHECKING:
@@ -82,16 +82,20 @@ _WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), r
 _GUARDS_MADE: dict[tuple[int, ...], int] = {}
 
 
-def _guard_group(ranks: list[int], timeout: timedelta) -> Any:
-    """A gloo group of ``ranks`` of the guard's own, rendezvousing under a name every member agrees on:
-    the ranks and how many guards over them this process made before (the same on every member, as
-    they build the same roots). Not registered with torch.distributed (new_group names groups by a
-    count of the groups each rank belongs to, which differs between ranks that hold different
-    groups), so it is used through the backend's own methods."""
+def _guard_key(ranks: list[int]) -> str:
+    """The name every member gives the next guard over ``ranks``: the ranks and how many guards over them this
+    process made before (the same on every member, as they build the same roots)."""
     key = tuple(ranks)
     made = _GUARDS_MADE.get(key, 0)
     _GUARDS_MADE[key] = made + 1
-    prefix = f"flatshard/rank_guard/{'-'.join(map(str, ranks))}/{made}/"
+    return f"{'-'.join(map(str, ranks))}/{made}"
+
+
+def _guard_group(key: str, ranks: list[int], timeout: timedelta) -> Any:
+    """A gloo group of ``ranks`` of the guard's own, rendezvousing under ``key`` (``_guard_key``). Not registered with torch.distributed (new_group names groups by a
+    count of the groups each rank belongs to, which differs between ranks that hold different
+    groups), so it is used through the backend's own methods."""
+    prefix = f"flatshard/rank_guard/{key}/"
     store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
     return dist.ProcessGroupGloo(store, ranks.index(dist.get_rank()), len(ranks), timeout)
 
@@ -155,17 +159,21 @@ class RankGuard:
                 dist.all_gather_object(theirs, sorted(ranks), group=top.replicate_group)
             ranks = {r for group in theirs for r in group}
         self.ranks = sorted(ranks)
+        self.hybrid = top.replicate_group is not None
         self.group = None
+        self.key = _guard_key(self.ranks)
+        self.label = f"{type(top.module).__name__} (the model wrapped {_ordinal(int(self.key.rsplit('/', 1)[1]) + 1)})"
         # See [Note: The guard under a fake process group].
         self.simulated = dist.get_backend(top.process_group) == "fake"
         if len(self.ranks) > 1:
             self.group = (top.process_group if self.simulated else
-                          _guard_group(self.ranks, group_timeout(top.process_group)))
+                          _guard_group(self.key, self.ranks, group_timeout(top.process_group)))
         self.forwards = 0
         self._model: tuple[list[int], list[Any]] | None = None
         with torch.inference_mode(False):  # (a first forward under inference_mode must not make these inference tensors)
             self._mine = torch.zeros(_WIDTH, dtype=torch.int64)
             self._all = torch.zeros(_WIDTH * len(self.ranks), dtype=torch.int64)
+        _stall_watch.attach(self)  # see [Note: Stalled waits]
 
     def model_changed(self) -> None:
         """The units' dtypes changed (a cast after wrapping): describe them again."""
@@ -182,10 +190,17 @@ class RankGuard:
         with torch.inference_mode(False):
             self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
         doing = self._doing(phase, grad)
+        _stall_watch.enter(self, self.label, phase, self.forwards + (phase == "forward"))
         try:
             with collective_range(f"rank_guard all_gather ({phase})"):
-                self.group._allgather_base(self._all, self._mine).wait()
+                _stall_watch.wait(self.group._allgather_base(self._all, self._mine),
+                                  f"its peers before {doing} (the rank-divergence guard's exchange)")
+        except RankDivergenceError:
+            raise
         except RuntimeError as e:
+            instead = _stall_watch.failed(f"its peers before {doing} (the rank-divergence guard's exchange)", str(e))
+            if instead:  # the group was given up, or a peer is gone: say so (see [Note: Stalled waits])
+                raise RankDivergenceError(instead) from e
             raise RankDivergenceError(
                 f"flatshard: rank {dist.get_rank()} waited for its peers before {doing} (the "
                 f"rank-divergence guard), and they did not all come within the group's timeout: a peer is stuck "
@@ -253,6 +268,10 @@ def _describe_unit(s: UnitState) -> dict[str, Any]:
         out.update(parameters=list(s.param_local_names), shapes=[list(shape) for shape in handle.layout.shapes],
                    dtype=str(s.flat_param.dtype), shard_factor=handle.layout.shard_factor)
     return out
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _ranks_text(ranks: list[int]) -> str:

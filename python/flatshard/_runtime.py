@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
-from flatshard import _C, _comm_hooks, _exit, _mixed_precision, _orig_params, _rank_guard
+from flatshard import _C, _comm_hooks, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch
 from flatshard._common import UsageError, clean_name, in_backward, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
 from flatshard._host_offload import raise_shards_on_host
@@ -353,6 +353,14 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
     # node may keep a use alive (a node that cannot run is no pending use).
     _hook_outputs(output, functools.partial(pre_backward, s, order, index))
     return output
+
+
+def forward_raised(unit: FullyShardedDataParallel, error: BaseException) -> None:
+    """A root's forward raised: its peers may be left waiting in this forward's collectives (see [Note: Stalled
+    waits]); where it left is noted for them."""
+    s = unit._unit_state
+    if s.is_root and s.root is not None and s.root.guard is not None:
+        _stall_watch.note_abandoned(s.root.guard.label, s.root.guard.forwards, error)
 
 
 def _hook_outputs(output: Any, hook: Callable) -> None:

@@ -222,7 +222,11 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
     # --------------------------------------------------------------- runtime
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _runtime.forward(self, args, kwargs)
+        try:
+            return _runtime.forward(self, args, kwargs)
+        except BaseException as error:
+            _runtime.forward_raised(self, error)
+            raise
 
     def no_sync(self, keep_parameters_unsharded: bool = False) -> contextlib.AbstractContextManager[None]:
         """Accumulates gradients locally, with no gradient reduction, inside the context.

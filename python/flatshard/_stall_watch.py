@@ -1,0 +1,257 @@
+"""Collectives that will never complete: every rank raises within seconds, naming who left and where.
+
+[Note: Stalled waits]
+The rank guard stops ranks that are *about to* run different collectives. What it cannot
+stop is a rank that leaves a step after its collectives began: its forward or backward
+raised, it caught the error and went on to the next batch, while its peers wait in that
+step's next all-gather, which it will never issue (and it waits for them in the next step's
+guard); or two models over the same ranks (an RL trainer's policy and reference) run in one
+order on one rank and the other order on another. Then every rank waits until the group's
+timeout (gloo's default: 30 minutes; torch's FSDP1 hangs the same way).
+
+So a host wait that has not completed after FIRST_SECONDS (C++: CommWork::wait; Python: the
+guard's exchange, ``wait``) publishes where this rank is, in the store the process group
+already has: which root (model), which step (the guard's count of forwards), which phase,
+what it waits for, and, if this rank's last forward raised, where and with what. Then every
+EVERY_SECONDS it reads where its peers are. The verdict is conclusive, never a guess about
+slowness:
+- waiting in a collective of step N while a peer is at a later step or phase of the same
+  model: that peer left step N, and the collective will never be issued by it;
+- waiting in the guard of step N while a peer waits in a collective of an earlier step or
+  phase (one this rank has left; checked only where the collective's group holds this rank:
+  not with hybrid sharding's shard groups);
+- waiting in one model while a peer waits in another model of the same ranks: the two run in
+  different orders.
+A rank that reaches a verdict raises RankDivergenceError and marks the group poisoned in the
+store (its collectives will never pair again); every rank waiting anywhere sees the mark at
+its next look and raises too, with the first rank's explanation. A peer whose connection
+closed (its process died) is named by a roll call: the ranks that answer within
+ROLL_CALL_SECONDS are alive, the others are gone.
+
+A rank that is merely slow (a long evaluation of its own, a checkpoint written to a slow
+disk) publishes nothing that triggers a verdict: its peers wait, as before, until it comes
+or the group's timeout. Off with the guard (FLATSHARD_RANK_GUARD=0) and under the fake
+process group (no store, no peers).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from flatshard import _C
+
+if TYPE_CHECKING:
+    from flatshard._rank_guard import RankGuard
+
+FIRST_SECONDS = 1.0
+EVERY_SECONDS = 0.5
+ROLL_CALL_SECONDS = 3.0
+_PREFIX = "flatshard/stall/"
+_GIVEN_UP = ("The process group now holds collectives that will never pair: end the job (checkpoints saved before "
+             "this step are intact).")
+_ORDER = {"forward": 0, "backward": 1}  # other phases (state_dict() and the like) come after both
+
+
+class _Watch:
+    """This process's publication (one per process: a rank is in one place at a time)."""
+
+    def __init__(self) -> None:
+        self.store: Any = None
+        self.rank = -1
+        self.position: dict[str, Any] = {}
+        self.abandoned: str | None = None
+        self.seq = 0
+        self.suspect: tuple[Any, ...] | None = None  # a verdict seen at the last look, not yet confirmed
+
+    @property
+    def active(self) -> bool:
+        return self.store is not None
+
+
+_watch = _Watch()
+
+
+def attach(guard: RankGuard) -> None:
+    """Called when a root's guard is made (collective-free): the store, this rank's key, the C++ hook."""
+    if guard.simulated or guard.group is None:
+        return
+    if not _watch.active:
+        _watch.store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
+        _watch.rank = dist.get_rank()
+        _C.set_stall_hook(_on_stall, FIRST_SECONDS, EVERY_SECONDS)
+    _publish({})  # (every rank's key exists from here on: peers read them all at once)
+
+
+def enter(guard: RankGuard, label: str, phase: str, step: int) -> None:
+    """The root of ``guard`` starts ``phase`` of ``step`` (its count of forwards): where a stalled wait says it is."""
+    if phase == "backward":
+        _watch.abandoned = None  # (the step went on)
+    _watch.position = {"root": guard.key, "label": label, "ranks": guard.ranks, "hybrid": guard.hybrid,
+                       "step": step, "phase": phase}
+
+
+def note_abandoned(label: str, step: int, error: BaseException) -> None:
+    """The root's forward raised: if this rank goes on, its peers learn where it left (see the Note)."""
+    if _watch.active:
+        _watch.abandoned = f"its forward {step} of {label} raised {type(error).__name__}: {str(error)[:200]}"
+
+
+def wait(work: Any, what: str) -> None:
+    """``work.wait()`` for a Python-side collective (the guard's exchange), watched (see the Note)."""
+    if not _watch.active:
+        work.wait()
+        return
+    from datetime import timedelta
+
+    waited, slice_ = 0.0, FIRST_SECONDS
+    while True:
+        try:
+            work.wait(timeout=timedelta(seconds=slice_))
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e):
+                raise
+        waited += slice_
+        slice_ = EVERY_SECONDS
+        verdict = _look(what, waited, waiting="guard")
+        if verdict:
+            raise _C.RankDivergenceError(verdict)
+
+
+def _on_stall(what: str, waited: float, error: str) -> str:
+    """The C++ hook: a collective of the runtime's has waited ``waited`` seconds, or failed with ``error``."""
+    try:
+        if error:
+            return failed(what, error)
+        return _look(what, waited, waiting="collective")
+    except Exception:  # noqa: BLE001 (a failed look must not turn into an error of the wait)
+        return ""
+
+
+def failed(what: str, error: str) -> str:
+    """A wait for ``what`` failed with ``error``: the error to raise instead, or '' (the backend's stands): the
+    group's poisoned mark (a peer raised first and ended), or, if a peer's connection closed, who is gone."""
+    if not _watch.active:
+        return ""
+    store = _watch.store
+    poisoned = int(store.add("poisoned", 0))
+    # A closed connection after the group was given up for a divergence is the divergence's consequence (a
+    # peer raised and ended): that is what to say. Else it is a peer's death: who is gone.
+    if connection_closed(error) and (not poisoned or store.check(["poisoned/gone"])):
+        gone = roll_call(_watch.position.get("ranks") or [])
+        who = (_ranks_text(gone) + (" is" if len(gone) == 1 else " are") + " gone" if gone else "a peer is gone")
+        return (f"flatshard: rank {_watch.rank} lost its connection to a peer while waiting for {what}: {who} (its "
+                f"connection closed: the process ended, e.g. killed or out of memory; ranks that did not answer a roll "
+                f"call within {ROLL_CALL_SECONDS:.0f} s). The job cannot go on without it: restart it from the last "
+                f"checkpoint. ({error.splitlines()[0][:300]})")
+    if poisoned:
+        store.set(f"roll_call/{_watch.rank}", "here")
+        first = store.get("poisoned/1").decode()
+        return (f"flatshard: rank {_watch.rank}'s wait for {what} failed ({error.splitlines()[0][:300]}) after the "
+                f"process group was given up. {first} {_GIVEN_UP}")
+    return ""
+
+
+_CLOSED = ("connection closed", "connection reset", "broken pipe", "connection refused", "end of file")
+
+
+def connection_closed(error: BaseException | str) -> bool:
+    """gloo's errors when a peer's socket closed (its process ended)."""
+    text = str(error).lower()
+    return any(phrase in text for phrase in _CLOSED)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def _publish(position: dict[str, Any]) -> None:
+    _watch.seq += 1
+    _watch.store.set(str(_watch.rank), json.dumps({**position, "seq": _watch.seq, "abandoned": _watch.abandoned}))
+
+
+def _look(what: str, waited: float, waiting: str) -> str:
+    """Publishes this rank's position, reads its peers'; the error to raise, or ''."""
+    store = _watch.store
+    poisoned = int(store.add("poisoned", 0))
+    if poisoned:
+        store.set(f"roll_call/{_watch.rank}", "here")  # (alive: see roll_call)
+        first = store.get("poisoned/1").decode()
+        return f"flatshard: rank {_watch.rank} gave up waiting for {what} after {waited:.0f} s. {first} {_GIVEN_UP}"
+    me = {**_watch.position, "waiting": waiting, "what": what}
+    _publish(me)
+    if "root" not in me:
+        return ""
+    peers = [r for r in me["ranks"] if r != _watch.rank]
+    for rank, raw in zip(peers, store.multi_get([str(r) for r in peers])):
+        theirs = json.loads(raw)
+        reason = _diverged(me, theirs, rank)
+        if not reason:
+            continue
+        # Confirmed only at the next look, with this wait still pending and the peer where it was (a wait starved
+        # of the CPU for a moment must not end a healthy job).
+        suspect = (rank, theirs["root"], theirs["step"], theirs["phase"], theirs.get("what"), what, me.get("step"),
+                   me.get("phase"))
+        confirmed, _watch.suspect = _watch.suspect == suspect, suspect
+        if confirmed:
+            message = f"flatshard: ranks can no longer meet (see [Note: Stalled waits]): {reason} {_GIVEN_UP}"
+            if int(store.add("poisoned", 1)) == 1:
+                store.set("poisoned/1", f"Rank {_watch.rank} found: {reason}")
+            return message
+        return ""
+    _watch.suspect = None
+    return ""
+
+
+def _where(p: dict[str, Any], rank: int) -> str:
+    text = f"rank {rank} {'waits in' if p.get('waiting') else 'was last seen at'} {p['phase']} {p['step']} of {p['label']}"
+    if p.get("what"):
+        text += f", waiting for {p['what']}"
+    return text
+
+
+def _diverged(me: dict[str, Any], theirs: dict[str, Any], rank: int) -> str:
+    if "root" not in theirs or not theirs.get("waiting"):
+        return ""
+    mine_text, their_text = _where(me, _watch.rank), _where(theirs, rank)
+    if theirs["root"] != me["root"]:
+        if _watch.rank in theirs["ranks"] and rank in me["ranks"]:
+            return (f"{their_text} while {mine_text}: two models over the same ranks run in different orders on "
+                    f"different ranks. Run every model's steps in the same order on every rank.")
+        return ""
+    mine = (me["step"], _ORDER.get(me["phase"], 2))
+    their = (theirs["step"], _ORDER.get(theirs["phase"], 2))
+    left = f" ({theirs['abandoned']})" if theirs.get("abandoned") else ""
+    if me["waiting"] == "collective" and their > mine:
+        return (f"rank {rank} left {me['phase']} {me['step']} of {me['label']} before its end{left}: {their_text}, "
+                f"while {mine_text}, which rank {rank} will never issue. A rank that skips a batch after an error "
+                "must not go on alone: every rank must skip it (or none).")
+    if me["waiting"] == "guard" and theirs["waiting"] == "collective" and their < mine and not me.get("hybrid"):
+        mine_left = f" ({_watch.abandoned})" if _watch.abandoned else ""
+        return (f"rank {_watch.rank} left {theirs['phase']} {theirs['step']} of {me['label']} before its "
+                f"end{mine_left}: {their_text}, which rank {_watch.rank} will never issue, while {mine_text}. A rank "
+                "that skips a batch after an error must not go on alone: every rank must skip it (or none).")
+    return ""
+
+
+def roll_call(ranks: list[int]) -> list[int]:
+    """After a peer's connection closed: marks the group poisoned, answers, and returns the ranks of ``ranks`` that
+    have not answered within ROLL_CALL_SECONDS (a live rank answers at its next look, see ``_look``)."""
+    if not _watch.active:
+        return []
+    store = _watch.store
+    store.set("poisoned/gone", "1")
+    if int(store.add("poisoned", 1)) == 1:
+        store.set("poisoned/1", f"Rank {_watch.rank} lost its connection to a peer (a rank's process ended).")
+    store.set(f"roll_call/{_watch.rank}", "here")
+    deadline = time.monotonic() + ROLL_CALL_SECONDS
+    missing = [r for r in ranks if r != _watch.rank]
+    while missing and time.monotonic() < deadline:
+        missing = [r for r in missing if not store.check([f"roll_call/{r}"])]
+        if missing:
+            time.sleep(0.05)
+    return missing

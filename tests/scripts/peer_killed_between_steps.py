@@ -1,0 +1,46 @@
+"""One rank of a run where the last rank is killed (SIGKILL, as the kernel's OOM killer does) between two
+steps (tests/test_stalled_waits.py starts it, as torchrun would): every survivor must raise
+RankDivergenceError naming the rank that is gone, and exit status 3 having printed it. Environment: RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's)."""
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: E402
+
+from flatshard import FullyShardedDataParallel as FSDP  # noqa: E402
+from flatshard import RankDivergenceError  # noqa: E402
+from models import Block, gpt_loss, local_slice, make_batch, make_gpt  # noqa: E402
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank, world_size = dist.get_rank(), dist.get_world_size()
+model = FSDP(make_gpt(n_layers=3), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step(seed):
+    gpt_loss(model, *local_slice(make_batch(batch=12, seed=seed), rank, world_size)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+step(0)
+if rank == world_size - 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(0.5)
+start = time.monotonic()
+try:
+    step(1)
+except RankDivergenceError as e:
+    print(f"RankDivergenceError after {time.monotonic() - start:.1f} s: {e}", flush=True)
+    os._exit(3)
+print("no error", flush=True)
+os._exit(0)

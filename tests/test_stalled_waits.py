@@ -1,0 +1,144 @@
+"""Ranks that can no longer meet raise, every one of them, within seconds (issue 22, items 4, 5 and 8; see
+[Note: Stalled waits]).
+
+Each case runs with a run deadline (30 s) under the process group's timeout (60 s): before this
+change each hung until the group's timeout (the deadline kills it and the test fails), as torch's
+FSDP1 does. Each rank checks the error's type and message; the run's time is checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from _dist import abandon_group, run_distributed
+from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+
+DEADLINE = 30.0
+
+
+def _model():
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    return FSDP(make_gpt(n_layers=3), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+
+
+def _step(model, opt, step, rank, world_size):
+    gpt_loss(model, *local_slice(make_batch(seed=step), rank, world_size)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class _BadBatch(Exception):
+    pass
+
+
+def _skips_after_forward_raised(rank, world_size, where):
+    """Rank 1's forward (or backward) raises partway, after collectives of the step were issued; it skips the
+    batch and goes on, as "skip the bad batch" loops do, while its peers go on with the step."""
+    from flatshard import RankDivergenceError
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    block = model.blocks[1].module if hasattr(model.blocks[1], "module") else model.blocks[1]
+    start = time.monotonic()
+    with pytest.raises(RankDivergenceError) as caught:
+        for step in (1, 2):
+            try:
+                if rank == 1 and step == 1:
+                    if where == "forward":
+                        handle = block.register_forward_hook(lambda *_: (_ for _ in ()).throw(_BadBatch("bad")))
+                    else:
+                        handle = block.register_full_backward_hook(
+                            lambda *_: (_ for _ in ()).throw(_BadBatch("bad")))
+                else:
+                    handle = None
+                try:
+                    _step(model, opt, step, rank, world_size)
+                finally:
+                    if handle is not None:
+                        handle.remove()
+            except _BadBatch:
+                opt.zero_grad()
+                continue  # skip the batch: on this rank only
+    abandon_group()
+    message = str(caught.value)
+    # Every rank names rank 1 as the one that left the step, and where, and the collective a peer waits for in
+    # vain. A forward that raised says with what.
+    assert "rank 1 left" in message and "which rank 1 will never issue" in message, message
+    assert f"rank 1 left {where} 2 of GPT (the model wrapped 1st) before its end" in message, message
+    assert "The process group now holds collectives that will never pair: end the job" in message, message
+    if where == "forward":
+        assert "_BadBatch: bad" in message, message
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_rank_that_skips_a_batch_alone_fails_every_rank_fast(where, world_size):
+    seconds = run_distributed(_skips_after_forward_raised, world_size, where, timeout=DEADLINE)
+    assert max(seconds) < 15, seconds
+
+
+def _two_models_in_different_orders(rank, world_size):
+    """An RL trainer's policy and reference model over the same ranks, run in one order on rank 0 and the other
+    on rank 1."""
+    from flatshard import RankDivergenceError
+
+    policy, reference = _model(), _model()
+    tokens = local_slice(make_batch(seed=0), rank, world_size)[0]
+    with torch.no_grad():  # both initialized (lazy init is collective too)
+        policy(tokens), reference(tokens)
+    start = time.monotonic()
+    with pytest.raises(RankDivergenceError, match=r"two models over the same ranks run in different orders"):
+        with torch.no_grad():
+            for model in ((policy, reference) if rank == 0 else (reference, policy)):
+                model(tokens)
+    abandon_group()
+    return time.monotonic() - start
+
+
+def test_two_models_run_in_different_orders_fail_fast():
+    seconds = run_distributed(_two_models_in_different_orders, 2, timeout=DEADLINE)
+    assert max(seconds) < 15, seconds
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_dead_peer_is_named_not_called_a_divergence():
+    """Three ranks as torchrun starts them; the last is killed between steps: the survivors say which rank is
+    gone (not that ranks diverged), within seconds."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "peer_killed_between_steps.py")
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+             for rank in range(3)]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append((proc.communicate(timeout=DEADLINE)[0], proc.returncode))
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert outs[2][1] == -signal.SIGKILL, outs[2]
+    for rank in (0, 1):
+        out, code = outs[rank]
+        assert code == 3 and "rank 2 is gone (its connection closed" in out, f"rank {rank}: exit {code}\n{out[-3000:]}"
+        seconds = float(out.split("RankDivergenceError after ")[1].split(" s")[0])
+        assert seconds < 15, out
