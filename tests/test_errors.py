@@ -162,3 +162,22 @@ def test_optimizer_built_before_wrapping_raises_at_its_first_step(single_rank):
             opt.step()
         fresh = torch.optim.SGD(model.parameters(), lr=0.5)  # built after wrapping: fine
         fresh.step()
+
+
+def test_optimizer_state_of_another_kind_of_optimizer(single_rank):
+    """Adam's state loaded into SGD failed at SGD's first step with ``KeyError: 'momentum'`` (torch FSDP1 too): it
+    raises at loading, naming both kinds' hyperparameters and the fix. The same kind loads."""
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model = FSDP(module, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    adam.step()
+    saved = FSDP.optim_state_dict(model, adam)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"saved by another kind of optimizer than this SGD: its param group 0 has "
+                                         r"\['amsgrad', 'betas', 'eps'\] where SGD's has \['dampening', 'momentum', "
+                                         r"'nesterov'\]. Load it into the kind of optimizer that saved it"):
+        FSDP.optim_state_dict_to_load(model, sgd, saved)
+    again = torch.optim.Adam(model.parameters(), lr=0.1)
+    again.load_state_dict(FSDP.optim_state_dict_to_load(model, again, saved))
+    assert again.state_dict()["state"][0]["exp_avg"].shape == adam.state_dict()["state"][0]["exp_avg"].shape

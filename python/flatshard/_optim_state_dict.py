@@ -107,6 +107,7 @@ def optim_state_dict_to_load(
     group: dist.ProcessGroup | None = None,
     *,
     from_rank0: bool | None = None,
+    _optim_given: bool = True,
 ) -> dict[str, Any]:
     """Turns a state dict from ``optim_state_dict`` (ours or torch's FSDP1, FULL) into one for ``optim``.
 
@@ -177,6 +178,8 @@ def optim_state_dict_to_load(
             f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict has {len(saved_groups)} "
             f"param groups but the optimizer has {len(optim.param_groups)}."
         )
+    if _optim_given:
+        _check_same_kind(saved_groups, optim)
     position = 0
     for saved, current in zip(saved_groups, optim.param_groups):
         g = {k: v for k, v in saved.items() if k != "params"}
@@ -187,6 +190,25 @@ def optim_state_dict_to_load(
     if load_directly:
         optim.load_state_dict(result)
     return result
+
+
+# Param-group keys that differ between torch versions of one optimizer (each optimizer's __setstate__ fills them).
+_VERSION_KEYS = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay",
+                 "initial_lr", "params"}
+
+
+def _check_same_kind(saved_groups: list[dict[str, Any]], optim: torch.optim.Optimizer) -> None:
+    """The saved param groups' hyperparameters are this optimizer's: state saved by another kind of optimizer
+    (Adam's into SGD) would fail at its first step with a KeyError naming a hyperparameter, or step wrong."""
+    for index, (saved, current) in enumerate(zip(saved_groups, optim.param_groups)):
+        theirs, ours = set(saved) - _VERSION_KEYS, set(current) - _VERSION_KEYS
+        if theirs != ours:
+            kind = type(optim).__name__
+            raise ValueError(
+                f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict was saved by another kind of "
+                f"optimizer than this {kind}: its param group {index} has {sorted(theirs - ours)} where {kind}'s has "
+                f"{sorted(ours - theirs)}. Load it into the kind of optimizer that saved it (with the same "
+                f"param groups), or leave this {kind}'s state fresh.")
 
 
 def _with_full_values(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -480,7 +502,8 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_
 def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module, optim_input: Any = None,
                                 optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     _no_optim_input(optim_input, "shard_full_optim_state_dict")
-    return optim_state_dict_to_load(model, _optim_or_default(model, optim), full_optim_state_dict, from_rank0=False)
+    return optim_state_dict_to_load(model, _optim_or_default(model, optim), full_optim_state_dict, from_rank0=False,
+                                    _optim_given=optim is not None)
 
 
 def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
@@ -492,7 +515,8 @@ def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, 
             "FullyShardedDataParallel.scatter_full_optim_state_dict: group= must be the model's group; "
             "flatshard uses each unit's own groups, so leave it unset."
         )
-    return optim_state_dict_to_load(model, _optim_or_default(model, optim), full_optim_state_dict, from_rank0=True)
+    return optim_state_dict_to_load(model, _optim_or_default(model, optim), full_optim_state_dict, from_rank0=True,
+                                    _optim_given=optim is not None)
 
 
 def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: Any, model: nn.Module,

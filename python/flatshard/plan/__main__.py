@@ -117,9 +117,9 @@ def _measured_step(config, batch: int, seq: int, dtype: torch.dtype) -> tuple[in
         activations.append(measure_activations(model, loss))
         seconds.append(measure_compute(model, loss, torch.optim.AdamW(model.parameters()), repeats=3))
         del model
-    print(f"flatshard.plan: activations and compute measured on {device} ({torch.cuda.get_device_name(device) if "
-          f"device.type == 'cuda' else 'this host'}), {dtype}, one and two layers extrapolated to {layers}",
-          file=sys.stderr)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "this host"
+    print(f"flatshard.plan: activations and compute measured on {device} ({where}), {dtype}, one and two layers "
+          f"extrapolated to {layers}", file=sys.stderr)
     per_layer = max(0, activations[1] - activations[0])
     compute = tuple(one + max(0.0, two - one) * (layers - 1) for one, two in zip(*seconds))
     return activations[0] + per_layer * (layers - 1), compute  # type: ignore[return-value]
