@@ -142,3 +142,36 @@ def test_a_dead_peer_is_named_not_called_a_divergence():
         assert code == 3 and "rank 2 is gone (its connection closed" in out, f"rank {rank}: exit {code}\n{out[-3000:]}"
         seconds = float(out.split("RankDivergenceError after ")[1].split(" s")[0])
         assert seconds < 15, out
+
+
+def _state_dict_on_rank_0_only(rank, world_size):
+    """Rank-0-only saving code: rank 0 calls state_dict(), rank 1 goes to the barrier after it (issue 22, item 7).
+    Rank 0 raises, naming rank 1 and the fix; rank 1, blocked in torch's barrier, fails there when rank 0's
+    process ends (its heartbeat prints the reason: see [Note: Stalled waits])."""
+    import io
+
+    import torch.distributed as dist
+
+    from flatshard import RankDivergenceError
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    start = time.monotonic()
+    if rank == 0:
+        with pytest.raises(RankDivergenceError, match=r"rank 1 has issued \d+ collectives on the default process "
+                                                      r"group where rank 0 issued \d+, and stays out of GPT .*: it is "
+                                                      r"inside a collective of its own .*, while rank 0 waits in "
+                                                      r"state_dict\(\) after 1 forwards of GPT .*state_dict\(\) is "
+                                                      r"collective: call it on every rank"):
+            torch.save(model.state_dict(), io.BytesIO())
+    else:
+        with pytest.raises(RuntimeError, match=r"[Cc]onnection (closed|reset)"):
+            dist.barrier()
+    abandon_group()
+    return time.monotonic() - start
+
+
+def test_state_dict_on_one_rank_fails_fast():
+    seconds = run_distributed(_state_dict_on_rank_0_only, 2, timeout=DEADLINE)
+    assert max(seconds) < 15, seconds

@@ -15,10 +15,12 @@ checked nor counted; the first backward hook of an iteration (but inside
 fingerprint of what it is about to do: a fixed-size int64 vector (the phase, how many
 forwards the root ran, grad enabled, inside ``no_sync()``, and a hash of the model as
 wrapped: every unit's name, parameter shapes, dtype, shard factor, strategy, mixed
-precision and offload). The exchange is one all-gather of 64 bytes per rank over a gloo
-group of its own (created with the root's ranks and timeout at lazy init), so that it
-only ever meets other guards' exchanges: whatever the ranks are doing, the vectors pair up
-and have the same size. If any differs, every rank sees it, and all of them gather the
+precision and offload). The exchange runs over a gloo group of its own (created with the
+root's ranks and timeout at lazy init), so that it only ever meets other guards' exchanges:
+whatever the ranks are doing, the messages pair up and have the same size. It computes the
+elementwise minimum and maximum of the vectors over the ranks by recursive doubling (see
+[Note: The guard's exchange in log W rounds]); they are equal exactly when every rank's vector
+is the same. If any differs, every rank sees it, and all of them gather the
 readable descriptions (a second exchange, only then) and raise the same
 ``RankDivergenceError``, e.g. "rank 1 runs forward without grad while rank 0 runs forward
 with grad". ``FLATSHARD_RANK_GUARD=0`` turns it off; its cost per iteration is in
@@ -29,9 +31,10 @@ Every exchange completes before the phase's first collective, the backward's too
 issued at the first backward hook and checked later (overlapping the root's own
 layers' backward), it would let that hook's prefetch all-gather go out first, and a
 peer that skipped this backward would never pair it: the group would stay poisoned
-for whatever the ranks do next (a barrier, a checkpoint). So each exchange is one
-blocking round trip, about 2 x gloo's small-message latency per step plus whatever
-skew between the ranks it absorbs; benchmarks/guard_cost.py measures it.
+for whatever the ranks do next (a barrier, a checkpoint). So each exchange blocks, about
+2 x log2(W) x gloo's small-message latency per step plus whatever skew between the ranks it
+absorbs (which the step's first collective would absorb otherwise); benchmarks/guard_cost.py
+measures it.
 
 What it cannot see: ranks that agree on every phase but not within one (a unit run on one
 rank only, as data-dependent mixture-of-experts routing can do): the strict mode is for
@@ -78,6 +81,18 @@ _WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), r
 # nothing) there are no peers to disagree with and no store to rendezvous a gloo group on. The
 # guard then exchanges over the fake group itself (so that the step issues what it would) and
 # takes every peer's fingerprint to be its own: the simulated peers run the same script.
+
+# [Note: The guard's exchange in log W rounds]
+# An all-gather of every rank's fingerprint is a ring on gloo: W - 1 steps, each a round trip, so
+# at W = 1024 over a thousand latencies per check. What the check needs is only whether all
+# vectors are equal: the elementwise minimum and maximum over the ranks say it (equal exactly
+# when every vector is), and they combine in any order. So the ranks compute both by recursive
+# doubling, point to point over the guard's group: with m the largest power of two <= W, the
+# ranks m..W-1 first hand their vector to rank r - m; ranks 0..m-1 then swap and combine with
+# rank r XOR 2^k for k = 0..log2(m)-1; the ranks m..W-1 receive the result back. That is
+# log2(m) rounds, two more when W is not a power of two: 1 at W = 2, 10 at W = 1024. Each
+# round's messages are 128 bytes. Only when minimum and maximum differ do the ranks all-gather
+# their readable descriptions (a ring, but then the job is stopping anyway).
 
 _GUARDS_MADE: dict[tuple[int, ...], int] = {}
 
@@ -172,8 +187,39 @@ class RankGuard:
         self._model: tuple[list[int], list[Any]] | None = None
         with torch.inference_mode(False):  # (a first forward under inference_mode must not make these inference tensors)
             self._mine = torch.zeros(_WIDTH, dtype=torch.int64)
-            self._all = torch.zeros(_WIDTH * len(self.ranks), dtype=torch.int64)
+            self._both = torch.zeros(2, _WIDTH, dtype=torch.int64)  # the minimum and maximum so far
+            self._outgoing = torch.zeros(2, _WIDTH, dtype=torch.int64)
+            self._pair = torch.zeros(2 * 2 * _WIDTH, dtype=torch.int64)
+        self._rounds = [] if self.simulated or len(self.ranks) < 2 else self._pair_rounds(
+            group_timeout(top.process_group))
         _stall_watch.attach(self)  # see [Note: Stalled waits]
+
+    def _pair_rounds(self, timeout: timedelta) -> list[tuple[str, Any, int]]:
+        """(what to do with the partner's vectors, the two-rank gloo group with it, this rank's slot in it) per round
+        (see [Note: The guard's exchange in log W rounds]), the groups made now, in round order on every rank."""
+        n, me = len(self.ranks), self.ranks.index(dist.get_rank())
+        m = 1 << (n.bit_length() - 1)
+
+        def pair(other: int, round_: str) -> tuple[Any, int]:
+            a, b = sorted((me, other))
+            store = dist.PrefixStore(f"flatshard/rank_guard/{self.key}/{round_}/{a}-{b}/",
+                                     dist.distributed_c10d._get_default_store())
+            return dist.ProcessGroupGloo(store, 0 if me == a else 1, 2, timeout), 0 if me == a else 1
+
+        if me >= m:
+            group, slot = pair(me - m, "extra")
+            return [("give", group, slot), ("take", group, slot)]
+        rounds = []
+        extra = pair(me + m, "extra") if me + m < n else None
+        if extra is not None:
+            rounds.append(("combine", *extra))
+        k = 1
+        while k < m:
+            rounds.append(("combine", *pair(me ^ k, f"round{k.bit_length()}")))
+            k <<= 1
+        if extra is not None:
+            rounds.append(("give", *extra))
+        return rounds
 
     def model_changed(self) -> None:
         """The units' dtypes changed (a cast after wrapping): describe them again."""
@@ -192,9 +238,8 @@ class RankGuard:
         doing = self._doing(phase, grad)
         _stall_watch.enter(self, self.label, phase, self.forwards + (phase == "forward"))
         try:
-            with collective_range(f"rank_guard all_gather ({phase})"):
-                _stall_watch.wait(self.group._allgather_base(self._all, self._mine),
-                                  f"its peers before {doing} (the rank-divergence guard's exchange)")
+            with collective_range(f"rank_guard exchange ({phase})"), torch.inference_mode(False):
+                low, high = self._min_max(f"its peers before {doing} (the rank-divergence guard's exchange)")
         except RankDivergenceError:
             raise
         except RuntimeError as e:
@@ -206,18 +251,35 @@ class RankGuard:
                 f"rank-divergence guard), and they did not all come within the group's timeout: a peer is stuck "
                 f"in other work (e.g. a collective this rank skipped, or a barrier), or has died. ({e})"
             ) from e
-        rows = self._all.view(len(self.ranks), _WIDTH)
-        if self.simulated:  # every simulated peer does what this rank does
-            rows.copy_(self._mine.expand_as(rows))
-        if bool((rows == rows[0]).all()):
+        if torch.equal(low, high):
             return
         mine = {"phase": phase, "doing": doing, "forwards": self.forwards, "grad": grad, "no_sync": no_sync,
                 "model": description}
         message = _explain(self.ranks, _all_gather_objects(self.group, mine))
-        # Every rank raises here, from the same rows: they agree on the count from now on, so that a loop that
+        # Every rank raises here, from the same maximum: they agree on the count from now on, so that a loop that
         # catches the error and skips the batch on every rank goes on (see [Note: Recovering from a divergence]).
-        self.forwards = int(rows[:, 1].max())
+        self.forwards = int(high[1])
         raise RankDivergenceError(message)
+
+    def _min_max(self, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The elementwise minimum and maximum of every rank's ``_mine`` (see [Note: The guard's exchange in log W
+        rounds]). Collective over the guard's pair groups."""
+        both = self._both
+        both[0].copy_(self._mine)
+        both[1].copy_(self._mine)
+        if self.simulated:  # every simulated peer does what this rank does
+            return both[0], both[1]
+        for kind, group, slot in self._rounds:
+            self._outgoing.copy_(both)
+            _stall_watch.wait(group._allgather_base(self._pair, self._outgoing.view(-1)), what)
+            theirs = self._pair.view(2, 2, _WIDTH)[1 - slot]
+            if kind == "combine":
+                torch.minimum(both[0], theirs[0], out=both[0])
+                torch.maximum(both[1], theirs[1], out=both[1])
+            elif kind == "take":
+                both.copy_(theirs)
+            # "give": the partner takes this rank's result
+        return both[0], both[1]
 
     def counted_forward(self) -> None:
         self.forwards += 1

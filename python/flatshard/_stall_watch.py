@@ -21,12 +21,22 @@ slowness:
   phase (one this rank has left; checked only where the collective's group holds this rank:
   not with hybrid sharding's shard groups);
 - waiting in one model while a peer waits in another model of the same ranks: the two run in
-  different orders.
+  different orders;
+- waiting in the guard of a phase every rank must call (``state_dict()``, say) while a peer,
+  not in any phase of that model since, has issued more collectives on the default process
+  group than this rank: it is inside a collective of its own (the rank-0-only save followed by
+  ``dist.barrier()``). Each rank's heartbeat (a thread, every HEARTBEAT_SECONDS) publishes that
+  count and its position, since a rank blocked in torch's collective cannot publish anything;
+  the blocked rank itself cannot raise (its thread is inside torch's barrier): its heartbeat
+  prints the reason, and its collective fails when the raising rank's process ends.
 A rank that reaches a verdict raises RankDivergenceError and marks the group poisoned in the
 store (its collectives will never pair again); every rank waiting anywhere sees the mark at
 its next look and raises too, with the first rank's explanation. A peer whose connection
 closed (its process died) is named by a roll call: the ranks that answer within
 ROLL_CALL_SECONDS are alive, the others are gone.
+
+The store is the one the default process group was made with (torchrun's agent hosts it, or
+rank 0's process): if it is unreachable too, the error says so.
 
 A rank that is merely slow (a long evaluation of its own, a checkpoint written to a slow
 disk) publishes nothing that triggers a verdict: its peers wait, as before, until it comes
@@ -36,7 +46,10 @@ process group (no store, no peers).
 
 from __future__ import annotations
 
+import atexit
 import json
+import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +63,7 @@ if TYPE_CHECKING:
 FIRST_SECONDS = 1.0
 EVERY_SECONDS = 0.5
 ROLL_CALL_SECONDS = 3.0
+HEARTBEAT_SECONDS = 1.0
 _PREFIX = "flatshard/stall/"
 _GIVEN_UP = ("The process group now holds collectives that will never pair: end the job (checkpoints saved before "
              "this step are intact).")
@@ -66,6 +80,9 @@ class _Watch:
         self.abandoned: str | None = None
         self.seq = 0
         self.suspect: tuple[Any, ...] | None = None  # a verdict seen at the last look, not yet confirmed
+        self.told = False  # the heartbeat printed the group's poisoning
+        self.heart: threading.Thread | None = None
+        self.stop = threading.Event()
 
     @property
     def active(self) -> bool:
@@ -83,6 +100,10 @@ def attach(guard: RankGuard) -> None:
         _watch.store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
         _watch.rank = dist.get_rank()
         _C.set_stall_hook(_on_stall, FIRST_SECONDS, EVERY_SECONDS)
+        _watch.store.set(f"beat/{_watch.rank}", _beat())
+        _watch.heart = threading.Thread(target=_heartbeat, name="flatshard-heartbeat", daemon=True)
+        _watch.heart.start()
+        atexit.register(_stop_heartbeat)
     _publish({})  # (every rank's key exists from here on: peers read them all at once)
 
 
@@ -137,17 +158,21 @@ def failed(what: str, error: str) -> str:
     group's poisoned mark (a peer raised first and ended), or, if a peer's connection closed, who is gone."""
     if not _watch.active:
         return ""
+    try:
+        return _failed(what, error)
+    except Exception as store_error:  # noqa: BLE001 (the store is unreachable: its host ended)
+        return (f"flatshard: rank {_watch.rank}'s wait for {what} failed ({error.splitlines()[0][:300]}), and the "
+                f"job's store is unreachable too ({str(store_error).splitlines()[0][:200]}): the process that hosts "
+                f"it (rank 0, unless torchrun's agent hosts it) has ended. {_GIVEN_UP}")
+
+
+def _failed(what: str, error: str) -> str:
     store = _watch.store
     poisoned = int(store.add("poisoned", 0))
     # A closed connection after the group was given up for a divergence is the divergence's consequence (a
     # peer raised and ended): that is what to say. Else it is a peer's death: who is gone.
     if connection_closed(error) and (not poisoned or store.check(["poisoned/gone"])):
-        gone = roll_call(_watch.position.get("ranks") or [])
-        who = (_ranks_text(gone) + (" is" if len(gone) == 1 else " are") + " gone" if gone else "a peer is gone")
-        return (f"flatshard: rank {_watch.rank} lost its connection to a peer while waiting for {what}: {who} (its "
-                f"connection closed: the process ended, e.g. killed or out of memory; ranks that did not answer a roll "
-                f"call within {ROLL_CALL_SECONDS:.0f} s). The job cannot go on without it: restart it from the last "
-                f"checkpoint. ({error.splitlines()[0][:300]})")
+        return _gone(what, f"lost its connection to a peer while waiting for {what}", error.splitlines()[0][:300])
     if poisoned:
         store.set(f"roll_call/{_watch.rank}", "here")
         first = store.get("poisoned/1").decode()
@@ -169,15 +194,61 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
 
 
+def _world_collectives() -> int:
+    """How many collectives this rank issued on the default process group (c10d's sequence number)."""
+    try:
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 (a backend without sequence numbers, or the group destroyed)
+        return -1
+
+
+def _beat() -> str:
+    return json.dumps({"collectives": _world_collectives(), "position": _watch.position, "t": time.time()})
+
+
+def _heartbeat() -> None:
+    """This rank's default-group collective count and position, every HEARTBEAT_SECONDS (see the Note); prints the
+    group's poisoning once, for a main thread blocked outside flatshard. Ends with the store."""
+    store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
+    while not _watch.stop.wait(HEARTBEAT_SECONDS):
+        try:
+            store.set(f"beat/{_watch.rank}", _beat())
+            if not _watch.told and int(store.add("poisoned", 0)):
+                _watch.told = True
+                print(f"flatshard (rank {_watch.rank}): the process group was given up: "
+                      f"{store.get('poisoned/1').decode()} {_GIVEN_UP}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 (the store is gone: the job is ending)
+            return
+
+
+def _stop_heartbeat() -> None:
+    """At exit, before the interpreter's finalization: a daemon thread woken then, inside the store's C++ code, would
+    be ended by a forced unwind through it, which aborts the process (std::terminate)."""
+    _watch.stop.set()
+    if _watch.heart is not None:
+        _watch.heart.join(timeout=2 * HEARTBEAT_SECONDS)
+
+
 def _publish(position: dict[str, Any]) -> None:
     _watch.seq += 1
     _watch.store.set(str(_watch.rank), json.dumps({**position, "seq": _watch.seq, "abandoned": _watch.abandoned}))
+
+
+def _gone(what: str, happened: str, error: str) -> str:
+    """A peer's process ended: who is gone, by a roll call."""
+    gone = roll_call(_watch.position.get("ranks") or [])
+    who = (_ranks_text(gone) + (" is" if len(gone) == 1 else " are") + " gone" if gone else "a peer is gone")
+    return (f"flatshard: rank {_watch.rank} {happened}: {who} (its connection closed: the process ended, e.g. killed "
+            f"or out of memory; ranks that did not answer a roll call within {ROLL_CALL_SECONDS:.0f} s). The job "
+            f"cannot go on without it: restart it from the last checkpoint. ({error})")
 
 
 def _look(what: str, waited: float, waiting: str) -> str:
     """Publishes this rank's position, reads its peers'; the error to raise, or ''."""
     store = _watch.store
     poisoned = int(store.add("poisoned", 0))
+    if poisoned and store.check(["poisoned/gone"]):
+        return _gone(what, f"gave up waiting for {what} after {waited:.0f} s", store.get("poisoned/1").decode())
     if poisoned:
         store.set(f"roll_call/{_watch.rank}", "here")  # (alive: see roll_call)
         first = store.get("poisoned/1").decode()
@@ -187,15 +258,16 @@ def _look(what: str, waited: float, waiting: str) -> str:
     if "root" not in me:
         return ""
     peers = [r for r in me["ranks"] if r != _watch.rank]
-    for rank, raw in zip(peers, store.multi_get([str(r) for r in peers])):
+    beats = store.multi_get([f"beat/{r}" for r in peers]) if waiting == "guard" else [None] * len(peers)
+    for rank, raw, beat in zip(peers, store.multi_get([str(r) for r in peers]), beats):
         theirs = json.loads(raw)
-        reason = _diverged(me, theirs, rank)
+        reason = _diverged(me, theirs, rank) or (_elsewhere(me, json.loads(beat), rank) if beat else "")
         if not reason:
             continue
         # Confirmed only at the next look, with this wait still pending and the peer where it was (a wait starved
         # of the CPU for a moment must not end a healthy job).
-        suspect = (rank, theirs["root"], theirs["step"], theirs["phase"], theirs.get("what"), what, me.get("step"),
-                   me.get("phase"))
+        suspect = (rank, reason.split(":")[0], theirs.get("root"), theirs.get("step"), theirs.get("phase"),
+                   theirs.get("what"), what, me.get("step"), me.get("phase"))
         confirmed, _watch.suspect = _watch.suspect == suspect, suspect
         if confirmed:
             message = f"flatshard: ranks can no longer meet (see [Note: Stalled waits]): {reason} {_GIVEN_UP}"
@@ -207,8 +279,15 @@ def _look(what: str, waited: float, waiting: str) -> str:
     return ""
 
 
+def _phase(p: dict[str, Any]) -> str:
+    """"forward 3 of GPT (...)", "state_dict() after 3 forwards of GPT (...)"."""
+    if p["phase"] in _ORDER:
+        return f"{p['phase']} {p['step']} of {p['label']}"
+    return f"{p['phase']} after {p['step']} forwards of {p['label']}"
+
+
 def _where(p: dict[str, Any], rank: int) -> str:
-    text = f"rank {rank} {'waits in' if p.get('waiting') else 'was last seen at'} {p['phase']} {p['step']} of {p['label']}"
+    text = f"rank {rank} {'waits in' if p.get('waiting') else 'was last seen at'} {_phase(p)}"
     if p.get("what"):
         text += f", waiting for {p['what']}"
     return text
@@ -227,15 +306,31 @@ def _diverged(me: dict[str, Any], theirs: dict[str, Any], rank: int) -> str:
     their = (theirs["step"], _ORDER.get(theirs["phase"], 2))
     left = f" ({theirs['abandoned']})" if theirs.get("abandoned") else ""
     if me["waiting"] == "collective" and their > mine:
-        return (f"rank {rank} left {me['phase']} {me['step']} of {me['label']} before its end{left}: {their_text}, "
+        return (f"rank {rank} left {_phase(me)} before its end{left}: {their_text}, "
                 f"while {mine_text}, which rank {rank} will never issue. A rank that skips a batch after an error "
                 "must not go on alone: every rank must skip it (or none).")
     if me["waiting"] == "guard" and theirs["waiting"] == "collective" and their < mine and not me.get("hybrid"):
         mine_left = f" ({_watch.abandoned})" if _watch.abandoned else ""
-        return (f"rank {_watch.rank} left {theirs['phase']} {theirs['step']} of {me['label']} before its "
-                f"end{mine_left}: {their_text}, which rank {_watch.rank} will never issue, while {mine_text}. A rank "
+        return (f"rank {_watch.rank} left {_phase(theirs)} before its end{mine_left}: {their_text}, which rank {_watch.rank} will never issue, while {mine_text}. A rank "
                 "that skips a batch after an error must not go on alone: every rank must skip it (or none).")
     return ""
+
+
+def _elsewhere(me: dict[str, Any], beat: dict[str, Any], rank: int) -> str:
+    """``rank`` is inside a collective of its own while this rank waits in a guard (see the Note)."""
+    where = beat.get("position") or {}
+    mine = _world_collectives()
+    if (beat.get("collectives", -1) <= mine or mine < 0 or time.time() - beat.get("t", 0) > 3 * HEARTBEAT_SECONDS
+            or where.get("root") not in (None, me["root"])):
+        return ""
+    if where.get("root") is not None and (where["step"], _ORDER.get(where["phase"], 2)) > (
+            me["step"], _ORDER.get(me["phase"], 2)):
+        return ""
+    return (f"rank {rank} has issued {beat['collectives']} collectives on the default process group where rank "
+            f"{_watch.rank} issued {mine}, and stays out of {me['label']}: it is inside a collective of its own (a "
+            f"barrier, an all_reduce), while {_where(me, _watch.rank)}, which rank {rank} has not called. "
+            f"{me['phase']} is collective: call it on every rank (also to save on rank 0 only: "
+            f"FullStateDictConfig(rank0_only=True) still needs every rank).")
 
 
 def roll_call(ranks: list[int]) -> list[int]:

@@ -41,6 +41,7 @@ try:
     step(1)
 except RankDivergenceError as e:
     print(f"RankDivergenceError after {time.monotonic() - start:.1f} s: {e}", flush=True)
+    time.sleep(4)  # (rank 0 hosts the store: it stays up while the other survivor's roll call runs)
     os._exit(3)
 print("no error", flush=True)
 os._exit(0)
