@@ -60,14 +60,51 @@ def _measure(ctx: Ctx, arg: tuple[str, Plan]) -> dict:
     return out
 
 
+def _exchange(ctx: Ctx, repeats: int) -> dict:
+    """One check's exchange alone: back-to-back checks of a built root's guard (no compute between them, so no
+    skew to absorb), median microseconds, and the rounds it takes ([Note: The guard's exchange in log W rounds])."""
+    import time
+
+    import torch.distributed as dist
+
+    spec = SPECS["gpt"]()
+    batches = [tuple(t.to(ctx.device) for t in local_slice(b, ctx.rank, ctx.world_size))
+               for b in make_batches(spec, 1, BATCHES["gpt"])]
+    peer = build_peer("flatshard", spec, ctx)
+    peer.step(*batches[0])
+    root = peer.model._unit_state.root
+    samples = []
+    for i in range(repeats + 10):
+        dist.barrier()
+        start = time.perf_counter()
+        root.guard.check(root, "state_dict()")
+        if i >= 10:
+            samples.append(time.perf_counter() - start)
+    samples.sort()
+    return {"world_size": ctx.world_size, "rounds": len(root.guard._rounds),
+            "median_us": samples[len(samples) // 2] * 1e6}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--workloads", nargs="+", default=list(PLANS), choices=list(PLANS))
+    p.add_argument("--exchange", action="store_true", help="time one check's exchange alone, and model W = 1024")
     p.add_argument("--out", default=os.path.join(HERE, "out", "guard_cost.json"))
     args = p.parse_args()
     plans = {w: (Plan(warmup=1, rounds=2, steps_per_block=3, drop_per_block=1) if args.quick else plan)
-             for w, plan in PLANS.items()}
+             for w, plan in PLANS.items() if w in args.workloads}
+    if args.exchange:
+        r = launch([("exchange", _exchange, 200)], args.world_size, "cpu")["exchange"]
+        if "error" in r:
+            print(f"failed: {r['error']}")
+            return 1
+        per_round = r["median_us"] / max(1, r["rounds"])
+        print(f"W={args.world_size}: one check's exchange {r['median_us']:.0f} us in {r['rounds']} rounds "
+              f"({per_round:.0f} us per round); modelled at W=1024: 10 rounds, {10 * per_round / 1e3:.2f} ms per check "
+              f"(a ring all-gather: 1023 steps, {1023 * per_round / 1e3:.0f} ms)")
+        return 0
     tasks = [(w, _measure, (w, plan)) for w, plan in plans.items()]
     results = launch(tasks, args.world_size, "cpu")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
