@@ -134,8 +134,10 @@ def wait(work: Any, what: str) -> None:
             work.wait(timeout=timedelta(seconds=slice_))
             return
         except RuntimeError as e:
-            if "timed out" not in str(e):
+            if "timed out" not in str(e) or work.is_completed():
                 raise
+        if not waited:
+            _watch.suspect = None  # (a new wait: nothing seen yet)
         waited += slice_
         slice_ = EVERY_SECONDS
         verdict = _look(what, waited, waiting="guard")
@@ -231,7 +233,8 @@ def _stop_heartbeat() -> None:
 
 def _publish(position: dict[str, Any]) -> None:
     _watch.seq += 1
-    _watch.store.set(str(_watch.rank), json.dumps({**position, "seq": _watch.seq, "abandoned": _watch.abandoned}))
+    _watch.store.set(str(_watch.rank), json.dumps({**position, "seq": _watch.seq, "abandoned": _watch.abandoned,
+                                                   "t": time.time()}))
 
 
 def _gone(what: str, happened: str, error: str) -> str:
@@ -294,7 +297,8 @@ def _where(p: dict[str, Any], rank: int) -> str:
 
 
 def _diverged(me: dict[str, Any], theirs: dict[str, Any], rank: int) -> str:
-    if "root" not in theirs or not theirs.get("waiting"):
+    # A stalled rank republishes every EVERY_SECONDS: an older record is from a wait that has completed since.
+    if "root" not in theirs or not theirs.get("waiting") or time.time() - theirs.get("t", 0) > 3 * EVERY_SECONDS:
         return ""
     mine_text, their_text = _where(me, _watch.rank), _where(theirs, rank)
     if theirs["root"] != me["root"]:
@@ -305,7 +309,7 @@ def _diverged(me: dict[str, Any], theirs: dict[str, Any], rank: int) -> str:
     mine = (me["step"], _ORDER.get(me["phase"], 2))
     their = (theirs["step"], _ORDER.get(theirs["phase"], 2))
     left = f" ({theirs['abandoned']})" if theirs.get("abandoned") else ""
-    if me["waiting"] == "collective" and their > mine:
+    if me["waiting"] == "collective" and their > mine and not me.get("hybrid"):
         return (f"rank {rank} left {_phase(me)} before its end{left}: {their_text}, "
                 f"while {mine_text}, which rank {rank} will never issue. A rank that skips a batch after an error "
                 "must not go on alone: every rank must skip it (or none).")
@@ -320,7 +324,7 @@ def _elsewhere(me: dict[str, Any], beat: dict[str, Any], rank: int) -> str:
     """``rank`` is inside a collective of its own while this rank waits in a guard (see the Note)."""
     where = beat.get("position") or {}
     mine = _world_collectives()
-    if (beat.get("collectives", -1) <= mine or mine < 0 or time.time() - beat.get("t", 0) > 3 * HEARTBEAT_SECONDS
+    if (me["phase"] in _ORDER or beat.get("collectives", -1) <= mine or mine < 0 or time.time() - beat.get("t", 0) > 3 * HEARTBEAT_SECONDS
             or where.get("root") not in (None, me["root"])):
         return ""
     if where.get("root") is not None and (where["step"], _ORDER.get(where["phase"], 2)) > (
