@@ -208,6 +208,34 @@ def test_measure_activations_errors():
     assert measure_activations(big, lambda m: m(torch.ones(1, 1000)).sum()) < 64_000
 
 
+def test_activation_profile_follows_the_backward():
+    """[Note: Activations unit by unit]: the profile's peak is ``measure_activations``'; every trainable parameter's
+    gradient is marked, in backward order (the last block's before the first's); what a block leaves when its last
+    gradient is made shrinks block by block; and the plan held where the step holds (under the fake group's
+    W = 64, where activations are most of a rank's peak) is below the plan holding the whole term at every block."""
+    from flatshard.plan import ActivationProfile, measure_activations, profile_activations
+    import flatshard
+
+    batch = make_batch(batch=8, seq=8, vocab=64, seed=1)
+    profile = profile_activations(make_gpt(), lambda m: gpt_loss(m, *batch))
+    assert isinstance(profile, ActivationProfile)
+    assert profile.peak == measure_activations(make_gpt(), lambda m: gpt_loss(m, *batch)) > 0
+    names = [n for n, p in make_gpt().named_parameters() if p.requires_grad]
+    assert sorted(profile.grad_order) == sorted(names) and len(profile.segments) == len(names) + 1
+    assert profile.grad_order.index("blocks.1.attn.qkv.weight") < profile.grad_order.index("blocks.0.attn.qkv.weight")
+    assert 0 < profile.forward <= profile.peak and profile.host_scale >= 1.0
+    blocks = [[n for n in names if n.startswith(f"blocks.{i}.")] for i in range(2)]
+    acts = profile.at_units(blocks)
+    assert acts.starting[1] == profile.forward and acts.left[0] < acts.left[1] < acts.starting[1]
+    with torch.device("meta"):
+        meta = make_gpt()
+    kwargs = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), backend="fake", device="cuda")
+    held = flatshard.plan(meta, 64, activation_bytes=profile, **kwargs).memory
+    whole = flatshard.plan(meta, 64, activation_bytes=profile.peak, **kwargs).memory
+    assert held.activations == whole.activations == profile.peak
+    assert held.device_peak < whole.device_peak, (held, whole)
+
+
 def test_step_time_model():
     """[Note: The timing model]: ring costs by hand for the tests' GPT; overlapping hides communication, never
     more than all of it; a free network costs nothing."""

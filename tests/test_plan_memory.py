@@ -4,15 +4,15 @@ tests/scripts/plan_memory_cases.py runs, with the malloc counter preloaded ([Not
 memory on a CPU] in tests/_memcount.py), the tests' GPT for FULL_SHARD, SHARD_GRAD_OP,
 NO_SHARD and HYBRID_SHARD, each plain, with ``no_sync``, bf16 mixed precision and CPU offload,
 at W = 1, 2, 4 over gloo and as rank 3 of W = 8, 64, 1024 under torch's fake process group;
-the activation term comes from ``flatshard.plan.measure_activations`` on the rank's batch.
+the activation term comes from ``flatshard.plan.profile_activations`` on the rank's batch.
 
 Tolerances (the planned peak over the measured one; benchmarks/RESULTS.md has the table): the
 plan's timeline is a worst-case schedule (a unit's reduction in flight during the next unit's
-backward, the prefetched unit's gloo copy, activations freed evenly over the units), and on
-two cores the same case's peak moves by 2-4% from step to step with how gloo's threads
-overlap the compute. Every case must be within -10%/+15%, four of five within 5%, and
-the median within 2%: a missing or doubled term (a unit's buffer, the gradients) breaks the
-first for the cases it touches.
+backward, the prefetched unit's gloo copy still running), and on two cores the same case's
+peak moves by 2-4% from step to step with how gloo's threads overlap the compute. Every case
+must be within -7%/+8%, 19 of 20 within 5%, and the median within 2%: a missing or doubled
+term (a unit's buffer, the flat gradient beside the unsharded parameters) breaks the first
+for the cases it touches.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ def test_planned_peak_memory_is_the_measured_peak():
     assert len(gloo) == 16 * (1 + 2 + 4) and len(fake) == 16 * 3, (len(gloo), len(fake))
     ratios = {f"{c['case']} rank {c['rank']}": c["planned"] / c["measured"] for c in gloo + fake}
     table = "\n".join(f"{name}: {ratio:.3f}" for name, ratio in ratios.items())
-    outside = {name: round(r, 3) for name, r in ratios.items() if not 0.90 <= r <= 1.15}
-    assert not outside, f"planned / measured peak outside [0.90, 1.15]: {outside}\n{table}"
+    outside = {name: round(r, 3) for name, r in ratios.items() if not 0.93 <= r <= 1.08}
+    assert not outside, f"planned / measured peak outside [0.93, 1.08]: {outside}\n{table}"
     within = sum(abs(r - 1) <= 0.05 for r in ratios.values())
-    assert within >= 0.8 * len(ratios), f"only {within} of {len(ratios)} cases within 5%\n{table}"
+    assert within >= 0.95 * len(ratios), f"only {within} of {len(ratios)} cases within 5%\n{table}"
     assert abs(statistics.median(ratios.values()) - 1) <= 0.02, table
-    # The activation term is measured, not left out.
+    # The activation term is measured, not left out; the fake group's cases (no thread timing) are all within 5%.
+    assert all(abs(c["planned"] / c["measured"] - 1) <= 0.05 for c in fake), table
     for c in gloo + fake:
         assert c["activations"] > 0 and c["plan"]["activations"] == c["activations"], c["case"]

@@ -21,12 +21,13 @@ from typing import Any, Iterable
 from torch import nn
 
 from flatshard.api import CPUOffload, MixedPrecision, ShardingStrategy
-from flatshard.plan._activations import measure_activations
+from flatshard.plan._activations import ActivationProfile, measure_activations, profile_activations
 from flatshard.plan._costs import RankMemory, UnitTraffic, rank_memory, unit_traffic
 from flatshard.plan._timing import INFINIBAND, NETWORKS, NVLINK, Network, StepTime, measure_compute, step_time
 from flatshard.plan._units import PlannedUnit, planned_units
 
-__all__ = ["INFINIBAND", "NVLINK", "Network", "Plan", "StepTime", "measure_activations", "measure_compute", "plan"]
+__all__ = ["INFINIBAND", "NVLINK", "ActivationProfile", "Network", "Plan", "StepTime", "measure_activations",
+           "measure_compute", "plan", "profile_activations"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -152,7 +153,7 @@ def plan(
     optimizer: str = "adamw",
     ranks_per_host: int = 8,
     no_sync: bool = False,
-    activation_bytes: int | None = None,
+    activation_bytes: int | ActivationProfile | None = None,
     optimizer_foreach: bool = True,
     backend: str = "nccl",
     device: str = "cuda",
@@ -165,7 +166,9 @@ def plan(
     ``ranks_per_host`` (flatshard's default: the ranks of a host). ``optimizer``: "adamw", "adam", "sgd",
     "sgd_momentum" or "none". ``no_sync``: the memory of accumulating with ``no_sync()``.
     ``activation_bytes``: what a forward and backward of the unwrapped model on one rank's batch holds beyond
-    its parameters and gradients (its measured peak less its gradients), if measured (else left out).
+    its parameters and gradients, if measured (else left out): ``measure_activations``'s number (held whole
+    through forward, spread evenly over the units' backward) or ``profile_activations``'s profile (held where the
+    measured step held it, [Note: Activations unit by unit]).
     ``optimizer_foreach``: whether the optimizer steps every tensor at once (torch's default on GPUs) or one at a
     time (on CPUs). ``backend``: "nccl", "gloo" (whose collectives hold temporaries while they run) or "fake" (torch's fake
     process group: every collective completes at once).
@@ -193,7 +196,8 @@ def plan(
                           use_orig_params, ignored_modules)
     traffic = [unit_traffic(u, shard_group, replicate_group) for u in units]
     memory = rank_memory(units, optimizer, offload, no_sync, activation_bytes, optimizer_foreach, backend,
-                         compute_on_host=device == "cpu", shard_group_size=shard_group)
+                         compute_on_host=device == "cpu", shard_group_size=shard_group,
+                         new_groups=2 if strategy in _HYBRID else 0)
     timing = None
     if network is not None:
         if isinstance(network, str):
@@ -209,5 +213,6 @@ def plan(
 # ``flatshard.plan`` is the function (the package binds it over the subpackage's name): it carries the helper, so
 # that ``flatshard.plan.measure_activations`` reads as the module's would.
 plan.measure_activations = measure_activations  # type: ignore[attr-defined]
+plan.profile_activations, plan.ActivationProfile = profile_activations, ActivationProfile  # type: ignore[attr-defined]
 plan.measure_compute = measure_compute  # type: ignore[attr-defined]
 plan.Network, plan.NVLINK, plan.INFINIBAND = Network, NVLINK, INFINIBAND  # type: ignore[attr-defined]

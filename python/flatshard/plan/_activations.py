@@ -16,14 +16,107 @@ the step is seen); a block whose address ends as a parameter's ``.grad`` is a gr
 allocation on. The model must fit on one device: for a model that does not, measure a shallower one
 of the same width (one and two layers) and extrapolate per layer, as the CLI's ``--batch-size``
 does.
+
+[Note: Activations unit by unit]
+One number is the worst point of the step; a plan holding all of it at every unit's backward
+overstates the peaks of backward, where the loss's and the head's activations are freed first
+and each block's as its backward ends (by a tenth for the tests' GPT under the fake group).
+``profile_activations`` measures the same step with a mark at each parameter's gradient
+(a post-accumulate-grad hook, a profiler range named after the parameter), and keeps, between
+consecutive marks, the highest point of the non-gradient bytes. The plan maps each unit to its
+parameters' names: a unit's backward spans from the previous unit's last gradient (in backward
+order; the first from the start of backward) to its own last, and the activations it holds
+there are the highest point within that span; what comes after the last unit's (the root's
+own backward) is held at the root's reduction. Forward holds the highest point before backward
+starts. A bare number (``measure_activations``, the CLI's extrapolation) is spread evenly instead.
+
+[Note: The autograd graph in host memory]
+The profiler sees tensors only. Autograd's graph, a node and its saved-variable records per
+operation, lives in host memory beside them: nothing on a GPU, but on a CPU, where the host is
+the device, the tests' GPT holds 0.2 MB of it at the end of forward (a tenth of its
+activations in fp32, a fifth in bf16). So on a CPU the forward is also run once with glibc's
+count of bytes in use (``mallinfo2``) read before and after it; the profile keeps that count
+over the profiler's at the same point (``host_scale``), and a plan whose device is the host
+(``device="cpu"``) scales every figure of the profile by it (the graph's nodes are freed with
+the tensors they saved). The profile's own figures, and ``measure_activations``, are the
+tensors' alone. Where glibc is not the allocator, nothing is added.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import ctypes
+import ctypes.util
+import dataclasses
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationProfile:
+    """The activation term of one step, as the step frees it (see [Note: Activations unit by unit])."""
+
+    peak: int  # the highest point of the step's non-gradient bytes (``measure_activations``)
+    forward: int  # the highest point before backward starts
+    grad_order: tuple[str, ...]  # parameter names, in the order their gradients were made
+    grad_bytes: tuple[int, ...]  # the size of each of those gradients
+    # segments[k]: the highest point between the gradients grad_order[k - 1] and grad_order[k] (k = 0: from the start of
+    # backward; k = len(grad_order): to its end)
+    segments: tuple[int, ...]
+    at_grads: tuple[int, ...]  # the non-gradient bytes held when each of those gradients was made
+    # On a CPU: the host memory a forward holds (autograd's graph included) over its tensors' bytes, else 1
+    # (see [Note: The autograd graph in host memory])
+    host_scale: float = 1.0
+
+    def at_units(self, unit_params: Sequence[Sequence[str]], on_host: bool = False) -> "UnitActivations":
+        """Where the activations are held, for units given in forward order by their parameters' names (the root's
+        not among them). ``on_host``: the plan's device is the host (the graph's bytes count)."""
+        if on_host and self.host_scale != 1.0:
+            def scaled(values: Sequence[int]) -> tuple[int, ...]:
+                return tuple(int(v * self.host_scale) for v in values)
+
+            return dataclasses.replace(self, forward=int(self.forward * self.host_scale), segments=scaled(self.segments),
+                                       at_grads=scaled(self.at_grads), host_scale=1.0).at_units(unit_params)
+        position = {name: k for k, name in enumerate(self.grad_order)}
+        n = len(unit_params)
+        out = UnitActivations(self.forward, [0] * n, [(0, 0)] * n, [0] * n, 0)
+        start = 0  # the segment the next unit's backward starts in
+        for i in reversed(range(n)):
+            own = {position[name] for name in unit_params[i] if name in position}
+            end = max([start, *own])
+            grads, worst = 0, (0, 0)
+            for k in range(start, end + 1):
+                grads += self.grad_bytes[k] if k in own else 0  # (made within segment k: counted through it)
+                worst = max(worst, (grads, self.segments[k]), key=sum)
+            out.starting[i] = self.at_grads[start - 1] if start else self.forward
+            out.computing[i] = worst
+            out.left[i] = self.at_grads[end] if own else self.segments[start]
+            start = end + 1 if own else start
+        out.after = max(self.segments[start:], default=0)
+        return out
+
+
+@dataclasses.dataclass
+class UnitActivations:
+    """The activation term where a plan's timeline needs it: the most held in forward; per unit (forward order), as
+    its backward starts, while it computes (its own gradients and the activations, at their worst together), and
+    when its last gradient is made; and the most held after the last unit's backward (the root's own)."""
+
+    forward: int
+    starting: list[int]
+    computing: list[tuple[int, int]]
+    left: list[int]
+    after: int
+
+    @staticmethod
+    def even(total: int, unit_grads: Sequence[int]) -> "UnitActivations":
+        """``total`` held through forward, each unit's share freed evenly over its backward, its gradients all made
+        at the worst point (for lack of a measured profile)."""
+        n = len(unit_grads)
+        return UnitActivations(total, [total * (i + 1) // n for i in range(n)],
+                               [(g, total * (2 * i + 1) // (2 * n)) for i, g in enumerate(unit_grads)],
+                               [total * i // n for i in range(n)], 0)
 
 
 def measure_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], *,
@@ -32,49 +125,120 @@ def measure_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
     [Note: Measuring activations]). ``loss_fn(model)`` returns the loss of one rank's batch. ``dtype``: the
     compute dtype (mixed precision's ``param_dtype``); the model's floating-point parameters are cast to it
     in place."""
+    return profile_activations(model, loss_fn, dtype=dtype, where="measure_activations").peak
+
+
+_GRAD_MARK = "flatshard.plan.grad:"
+_BACKWARD_MARK = "flatshard.plan.backward"
+
+
+def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], *,
+                        dtype: torch.dtype | None = None, where: str = "profile_activations") -> ActivationProfile:
+    """``measure_activations``, with where the step frees what it holds (see [Note: Activations unit by unit]):
+    ``flatshard.plan.plan(..., activation_bytes=profile)`` holds each unit's share where its backward runs."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"flatshard.plan.measure_activations: model: expected an nn.Module but got "
-                        f"{type(model).__name__}")
+        raise TypeError(f"flatshard.plan.{where}: model: expected an nn.Module but got {type(model).__name__}")
     if dtype is not None:
         model.to(dtype)
-    params = list(model.parameters())
+    named = dict(model.named_parameters())
+    params = list(named.values())
     if not params:
-        raise ValueError("flatshard.plan.measure_activations: the model has no parameters")
+        raise ValueError(f"flatshard.plan.{where}: the model has no parameters")
     device = params[0].device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"flatshard.plan.{where}: expected a model on a CPU or a CUDA device but it is on {device}")
 
     def step() -> None:
         loss = loss_fn(model)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError("flatshard.plan.measure_activations: loss_fn(model) must return the loss, a tensor of "
-                            f"one element, but returned {type(loss).__name__}")
-        loss.backward()
+            raise TypeError(f"flatshard.plan.{where}: loss_fn(model) must return the loss, a tensor of one element, "
+                            f"but returned {type(loss).__name__}")
+        with torch.profiler.record_function(_BACKWARD_MARK):
+            loss.backward()
 
     step()
     model.zero_grad(set_to_none=True)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"flatshard.plan.measure_activations: expected a model on a CPU or a CUDA device but it is "
-                         f"on {device}")
-    allocations = _allocations(step, device)
+    host_forward = _host_bytes_of_forward(model, loss_fn) if device.type == "cpu" else None
+
+    def mark(name: str) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            with torch.profiler.record_function(_GRAD_MARK + name):
+                pass
+        return hook
+
+    handles = [p.register_post_accumulate_grad_hook(mark(name)) for name, p in named.items() if p.requires_grad]
+    try:
+        events = _allocations(step, device)
+    finally:
+        for handle in handles:
+            handle.remove()
     grads = {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
     model.zero_grad(set_to_none=True)
     # The last allocation at a gradient's address is that gradient's (autograd hands its result to .grad).
-    last_at = {ptr: i for i, (ptr, size) in enumerate(allocations) if size > 0}
+    last_at = {ptr: i for i, (ptr, size, _) in enumerate(events) if size > 0}
     grad_events = {last_at[ptr] for ptr in grads if ptr in last_at}
     live: dict[int, int] = {}  # address: bytes, of the step's allocations other than gradients
-    current = peak = 0
-    for i, (ptr, size) in enumerate(allocations):
-        if size > 0 and i not in grad_events:
+    current = peak = forward = high = forward_end = 0
+    in_backward = False
+    order: list[str] = []
+    segments: list[int] = []
+    at_grads: list[int] = []
+    for i, (ptr, size, name) in enumerate(events):
+        if name == _BACKWARD_MARK:
+            in_backward, high, forward_end = True, current, current
+        elif name is not None:
+            order.append(name.removeprefix(_GRAD_MARK))
+            segments.append(high)
+            at_grads.append(current)
+            high = current
+        elif size > 0 and i not in grad_events:
             live[ptr] = size
             current += size
             peak = max(peak, current)
+            high = max(high, current)
+            if not in_backward:
+                forward = max(forward, current)
         elif size < 0:
             current -= live.pop(ptr, 0)  # (what was allocated before the step is not counted)
-    return peak
+    segments.append(high)
+    return ActivationProfile(peak=peak, forward=forward, grad_order=tuple(order),
+                             grad_bytes=tuple(named[n].numel() * named[n].element_size() for n in order),
+                             segments=tuple(segments), at_grads=tuple(at_grads),
+                             host_scale=max(1.0, host_forward / forward_end) if host_forward and forward_end else 1.0)
 
 
-def _allocations(step: Callable[[], None], device: torch.device) -> list[tuple[int, int]]:
-    """(address, bytes: negative when freed) of every allocation and free of ``device``'s memory within
-    ``step``, in time order (torch's allocation records)."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _host_bytes_in_use() -> int | None:
+    """glibc's count of the bytes malloc has handed out and not had back (None without glibc's ``mallinfo2``)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def _host_bytes_of_forward(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> int | None:
+    """What a forward holds in host memory at its end, the autograd graph included (glibc's count; None without it)."""
+    before = _host_bytes_in_use()
+    if before is None:
+        return None
+    loss = loss_fn(model)
+    after = _host_bytes_in_use()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return max(0, (after or 0) - before)
+
+
+def _allocations(step: Callable[[], None], device: torch.device) -> list[tuple[int, int, str | None]]:
+    """(address, bytes: negative when freed, None) of every allocation and free of ``device``'s memory within
+    ``step``, and (0, 0, name) where a range of this module's marks begins, in time order (torch's profiler)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -83,13 +247,15 @@ def _allocations(step: Callable[[], None], device: torch.device) -> list[tuple[i
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    allocations = []
+    events = []
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
         event = pending.pop()
         fields = event.extra_fields
         if event.tag == _EventType.Allocation and fields.device.type == device.type:
-            allocations.append((event.start_time_ns, fields.id, fields.ptr, fields.alloc_size))
+            events.append((event.start_time_ns, fields.id, fields.ptr, fields.alloc_size, None))
+        elif event.name.startswith((_GRAD_MARK, _BACKWARD_MARK)):
+            events.append((event.start_time_ns, -1, 0, 0, event.name))
         pending.extend(event.children)
-    allocations.sort(key=lambda a: (a[0], a[1]))
-    return [(ptr, size) for _, _, ptr, size in allocations]
+    events.sort(key=lambda a: (a[0], a[1]))
+    return [(ptr, size, name) for _, _, ptr, size, name in events]

@@ -21,20 +21,32 @@ A step is then walked point by point (``_Timeline``), and the peak is the highes
 - forward: the root's unsharded buffer (it stays unsharded until the end of backward), with
   FULL_SHARD the current unit's and the prefetched one's (the limiter lets two all-gathers be
   in flight), with SHARD_GRAD_OP every unit's so far; the whole activation term;
-- each unit's backward, in reverse order: the same buffers, the unit's gradient work
-  (autograd's gradients of its parameters, its unsharded flat gradient in ``param_dtype``, the
-  cast to ``reduce_dtype``), the previous unit's reduction still in flight (its input), the
-  gradient shards of the units reduced so far (``zero_grad(set_to_none=True)`` left none), and
-  the activations not yet freed (the unit's share freed evenly over its backward);
+- each unit's backward, in reverse order, at three points (the scheduler's order: a unit's
+  post-backward completes the previous unit's reduction, reshards the unit's parameters, and only
+  then makes its flat gradient):
+  - as it starts: the same buffers (the unit's and, with FULL_SHARD, the one it prefetches, whose
+    all-gather is being issued), the previous unit's reduction still in flight (its input), the
+    gradient shards of the units reduced so far (``zero_grad(set_to_none=True)`` left none), and
+    the activations held then;
+  - while it computes: the same, with autograd's gradients of the unit's parameters as they
+    appear and the activations as they are freed, at their worst together;
+  - its post-backward: the unit's buffer gone, autograd's gradients, the unsharded flat gradient
+    in ``param_dtype``, its cast to ``reduce_dtype`` and the reduction's scratch, and the
+    activations left;
+  (activations measured unit by unit, [Note: Activations unit by unit], or a unit's share freed
+  evenly over its backward with its gradients all made at the worst point);
 - the optimizer's step: every gradient shard and its temporaries (Adam: two the size of what it
   updates at once, every shard with ``foreach``, torch's default on GPUs; one shard at a time,
   a third, the previous shard's, is still alive).
 Inside ``no_sync()`` every unit holds its unsharded gradient until the first backward outside it
 reduces it (``keep_parameters_unsharded=True``: the unsharded parameters too). The backend adds
 its own: gloo's all-gather holds a flat copy of its output and its all-reduce (a reduce-scatter
-on gloo) a scratch of its input over the group, at most about 2 MB; torch's fake process group
-completes every collective at once, so nothing is in flight. Activations are the model's, not
-flatshard's: they come from a measured step when one is given ([Note: Measuring activations]).
+on gloo) a scratch of its input over the group, at most about 2 MB, both until they complete on
+gloo's threads; torch's fake process group completes a collective within its call, holding a
+view per rank (504 bytes each) meanwhile. In host memory, beside the tensors, flatshard's own
+records per parameter and each gloo group a wrap makes (``runtime_host``, counted in
+``combined_peak``). Activations are the model's, not flatshard's: they come from a measured step
+when one is given ([Note: Measuring activations]).
 The plan against measured peaks: benchmarks/RESULTS.md.
 """
 
@@ -44,6 +56,7 @@ import dataclasses
 
 import torch
 
+from flatshard.plan._activations import ActivationProfile, UnitActivations
 from flatshard.plan._units import PlannedUnit
 
 # Per-element optimizer state, in tensors the size of the shard (the shard's dtype).
@@ -113,6 +126,7 @@ class RankMemory:
     no_sync_gradients: int  # unsharded gradients held across no_sync() micro-batches
     optimizer_step: int  # the optimizer's temporaries during its step
     activations: int | None  # from a measured step, or None
+    runtime_host: int  # flatshard's own objects per parameter, in host memory (see RUNTIME_HOST_BYTES_PER_PARAM)
     device_peak: int  # the highest point of forward, backward and the optimizer's step, on the device
     combined_peak: int  # the same with device and host in one memory (a run on a CPU, offloaded or not)
 
@@ -121,9 +135,12 @@ class RankMemory:
 
 
 def rank_memory(units: list[PlannedUnit], optimizer: str, offload_params: bool, no_sync: bool,
-                activations: int | None = None, optimizer_foreach: bool = True, backend: str = "nccl",
-                compute_on_host: bool = False, shard_group_size: int = 1) -> RankMemory:
-    """``compute_on_host``: the device is the host itself (a CPU run): offloaded shards are used where they are."""
+                activations: int | ActivationProfile | None = None, optimizer_foreach: bool = True,
+                backend: str = "nccl", compute_on_host: bool = False, shard_group_size: int = 1,
+                new_groups: int = 0) -> RankMemory:
+    """``compute_on_host``: the device is the host itself (a CPU run): offloaded shards are used where they are.
+    ``new_groups``: the process groups the wrap creates (hybrid sharding's two).
+    ``activations``: one number (spread evenly over backward) or a measured profile."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"flatshard.plan: optimizer: expected one of {sorted(OPTIMIZER_STATES)} but got {optimizer!r}")
     shards = sum(u.layout.shard_numel * _size(u.dtype) for u in units)
@@ -133,56 +150,86 @@ def rank_memory(units: list[PlannedUnit], optimizer: str, offload_params: bool, 
     step_temporaries = 0
     if OPTIMIZER_STATES[optimizer] == 2 and trainable_shards:
         step_temporaries = _adam_step_temporaries(trainable_shards, optimizer_foreach)
-    timeline = _Timeline(units, offload_params and not compute_on_host, backend, no_sync, activations or 0,
-                         shard_group_size)
+    timeline = _Timeline(units, offload_params and not compute_on_host, backend, no_sync, activations,
+                         shard_group_size, on_host=compute_on_host)
+    peak_activations = activations.peak if isinstance(activations, ActivationProfile) else activations
     on_host = (shards + grads + optim) if offload_params else 0
     # On the device: what is there between steps, then the highest of forward, backward and the step.
     device_steady = 0 if offload_params else shards + optim
     device = device_steady + max(timeline.forward, timeline.backward(grads_on_device=not offload_params),
                                  0 if offload_params else grads + step_temporaries)
-    combined = shards + optim + max(timeline.forward, timeline.backward(grads_on_device=True),
-                                    grads + step_temporaries)
+    runtime_host = sum(len(u.param_names) * RUNTIME_HOST_BYTES_PER_PARAM[u.replicated] for u in units)
+    runtime_host += GLOO_GROUP_HOST_BYTES * new_groups if backend == "gloo" else 0
+    combined = shards + optim + runtime_host + max(timeline.forward, timeline.backward(grads_on_device=True),
+                                                   grads + step_temporaries)
     return RankMemory(
         sharded_params=shards, gradients=grads, optimizer_state=optim, on_host=on_host,
-        forward_in_flight=timeline.forward - (activations or 0),
+        forward_in_flight=timeline.forward - timeline.forward_activations,
         backward_in_flight=timeline.backward_in_flight(grads_on_device=not offload_params),
-        no_sync_gradients=timeline.held_across_no_sync, optimizer_step=step_temporaries, activations=activations,
+        no_sync_gradients=timeline.held_across_no_sync, optimizer_step=step_temporaries, activations=peak_activations,
+        runtime_host=runtime_host,
         device_peak=device, combined_peak=combined)
+
+
+# What flatshard's runtime keeps per parameter in host memory between steps, beside the tensors: the placeholder and
+# the view it swaps into the module, their hooks, the autograd nodes it keeps, its Python records. Measured with the
+# malloc counter (tests' GPT, 2 to 16 blocks of 11 parameters, fake group): 20.4 KB more per sharded block, 12.8 KB
+# per replicated one. Nothing on a GPU; on a CPU a few percent of a toy model's peak.
+RUNTIME_HOST_BYTES_PER_PARAM = {False: 1_860, True: 1_160}  # by whether the unit is replicated
+# A gloo process group's own host memory (its context, its connections' buffers): hybrid sharding's wrap makes two
+# (measured: 155-160 KB more per hybrid wrap than per FULL_SHARD one at W = 2 and 4). The rank guard's pair groups are
+# made once per process, not per wrap, and are not counted.
+GLOO_GROUP_HOST_BYTES = 80_000
 
 
 class _Timeline:
     """The transient bytes of one step, point by point (see [Note: What a rank holds]): units in forward order
     (the root's first: it stays unsharded from its forward to the end of backward); backward runs them in
     reverse, each unit's gradient shard appearing at its reduction, activations freed as their units' backward
-    runs (evenly, for lack of a finer measure)."""
+    runs (as measured, or evenly)."""
 
     def __init__(self, units: list[PlannedUnit], copies_to_device: bool, backend: str, no_sync: bool,
-                 activations: int, group_size: int) -> None:
+                 activations: int | ActivationProfile | None, group_size: int, on_host: bool = False) -> None:
         roots = [u for u in units if u.is_root]
         others = [u for u in units if not u.is_root]
         self.n = len(others)
-        self.activations = activations
-        self.root = sum(_unsharded_bytes(u, copies_to_device) + _backward_grad_bytes(u) for u in roots)
+        # Per unit: its own autograd gradients while its backward computes, the flat gradient its post-backward makes
+        # (after resharding its parameters) and the cast to reduce_dtype.
+        self.autograd = [_autograd_grad_bytes(u) for u in others]
+        self.flat = [_flat_grad_bytes(u) for u in others]
+        if isinstance(activations, ActivationProfile):
+            self.acts = activations.at_units([u.param_names for u in others], on_host=on_host)
+        else:
+            self.acts = UnitActivations.even(activations or 0, self.autograd)
+        self.forward_activations = self.acts.forward
+        self.root = sum(_unsharded_bytes(u, copies_to_device) + _autograd_grad_bytes(u) + _flat_grad_bytes(u)
+                        + _cast_bytes(u) for u in roots)
         self.root_forward = sum(_unsharded_bytes(u, copies_to_device) for u in roots)
         self.buffers = [_unsharded_bytes(u, copies_to_device) for u in others]
         gloo = backend == "gloo"
-        # gloo's all-gather writes a flat copy of its output while it runs (see [Note: gloo's temporaries]).
-        self.copies = [b if gloo and not u.replicated else 0 for u, b in zip(others, self.buffers)]
-        self.grad_work = [_backward_grad_bytes(u) for u in others]
+        # gloo's all-gather writes a flat copy of its output while it runs (see [Note: gloo's temporaries]); the fake
+        # group's makes a view per rank.
+        self.copies = [0 if u.replicated else b if gloo else _collective_scratch(backend, group_size)
+                       for u, b in zip(others, self.buffers)]
         self.shards = [_grad_shard_bytes(u) for u in others]
         self.root_shards = sum(_grad_shard_bytes(u) for u in roots)
-        # A unit's reduction is still in flight during the next unit's backward, its input held.
-        # (torch's fake process group completes every collective at once: nothing stays in flight)
-        in_flight = backend != "fake"
-        self.reducing = [_reduction_bytes(u, gloo, group_size) * in_flight for u in others] + [0]
-        self.root_reducing = sum(_reduction_bytes(u, gloo, group_size) * in_flight for u in roots)
+        # A unit's reduction is completed at the next unit's post-backward: its input is held through that unit's
+        # compute on any backend (under torch's fake process group too, where the collective itself is done at once).
+        # (gloo's collectives run on its threads, holding their temporaries until they complete; the fake group's are
+        # done when the call returns)
+        self.copy_outlives_call = gloo
+        self.reducing = [_reduction_bytes(u, backend if gloo else "", group_size) for u in others] + [0]
+        self.cast = [_cast_bytes(u) for u in others]
+        # the backend's scratch appears as the unit's reduction starts (its input is the flat gradient, or the cast)
+        self.reducing_scratch = [_reduction_bytes(u, backend, group_size, scratch_only=True) for u in others]
+        self.root_reducing = sum(_reduction_bytes(u, backend, group_size) for u in roots)
         self.resharding = any(u.reshard_after_forward for u in others)
         # Across no_sync() micro-batches every unit holds its unsharded gradient (a replicated unit's too).
         self.held = [_unsharded_grad_bytes(u) if no_sync else 0 for u in others]
         self.replicated = [u.replicated for u in others]
         self.root_held = sum(_unsharded_grad_bytes(u) if no_sync else 0 for u in roots)
         self.held_across_no_sync = sum(self.held) + self.root_held
-        self.forward = self.root_forward + self._forward_buffers() + self.held_across_no_sync + activations
+        self.forward = self.root_forward + self._forward_buffers() + self.held_across_no_sync + self.forward_activations
 
     def _forward_buffers(self) -> int:
         n, b, c = self.n, self.buffers, self.copies
@@ -193,19 +240,28 @@ class _Timeline:
         return sum(b) + c[-1]  # every unit stays unsharded from its forward to its backward
 
     def _backward_points(self, grads_on_device: bool) -> list[tuple[int, int]]:
-        """(bytes in flight without activations, activations still held) at each unit's backward, then the root's
-        reduction."""
+        """(bytes in flight without activations, activations still held) at each unit's backward (while it computes,
+        then at its post-backward), then the root's reduction."""
         n, b, c = self.n, self.buffers, self.copies
         points = []
         for i in range(n):
-            buffers = sum(b[: i + 1]) if not self.resharding else b[i] + (b[i - 1] + c[i - 1] if i else 0)
+            prefetched = b[i - 1] if i and self.resharding else 0
+            # the prefetch's temporaries: while its call runs as the unit's backward starts (gloo's: until it completes)
+            scratch = c[i - 1] if i and self.resharding else 0
+            before = sum(b[:i]) if not self.resharding else prefetched  # the units to come, unsharded
             reduced = sum(self.shards[i + 1:]) if grads_on_device else 0  # units after i reduced already
-            # not yet reduced: what earlier micro-batches left (a sharded unit i accumulates into its gradient work)
-            held = sum(self.held[:i]) + (self.held[i] if self.replicated[i] else 0) + self.root_held
-            points.append((self.root + buffers + self.grad_work[i] + self.reducing[i + 1] + reduced + held,
-                           self.activations * (2 * i + 1) // (2 * n)))
+            # what earlier micro-batches left unreduced (unit i's own gradient accumulates into it)
+            held = sum(self.held[:i + 1]) + self.root_held
+            base = self.root + b[i] + before + self.reducing[i + 1] + reduced + held
+            points.append((base + scratch, self.acts.starting[i]))
+            grads, acts = self.acts.computing[i]
+            points.append((base + grads + (scratch if self.copy_outlives_call else 0), acts))
+            # post-backward: the previous reduction completed, the parameters resharded, then the flat gradient
+            points.append((self.root + before + reduced + held - self.held[i] + max(self.held[i], self.flat[i])
+                           + self.autograd[i] + self.cast[i] + self.reducing_scratch[i]
+                           + (scratch if self.copy_outlives_call else 0), self.acts.left[i]))
         reduced = sum(self.shards) if grads_on_device else 0
-        points.append((self.root + self.root_reducing + self.reducing[0] + reduced, 0))
+        points.append((self.root + self.root_reducing + self.reducing[0] + reduced, self.acts.after))
         return points
 
     def backward(self, grads_on_device: bool) -> int:
@@ -245,24 +301,41 @@ def _unsharded_grad_bytes(unit: PlannedUnit) -> int:
 GLOO_ALL_REDUCE_SCRATCH_CAP = 2_000_000
 
 
-def _reduction_bytes(unit: PlannedUnit, gloo: bool, group_size: int) -> int:
+# torch's fake process group splits a single-tensor collective's buffer into a view per rank while the call runs (measured:
+# 516 KB at 1024 ranks, 32 KB at 64).
+FAKE_GROUP_BYTES_PER_RANK = 504
+
+
+def _collective_scratch(backend: str, group_size: int) -> int:
+    """What a backend holds besides the buffers while one of flatshard's collectives runs (not gloo's all-gather copy
+    nor its all-reduce's scratch, which depend on the buffer)."""
+    return FAKE_GROUP_BYTES_PER_RANK * group_size if backend == "fake" and group_size > 1 else 0
+
+
+def _reduction_bytes(unit: PlannedUnit, backend: str, group_size: int, scratch_only: bool = False) -> int:
     """What a unit's gradient reduction holds while in flight: its input (a replicated unit reduces its gradient
-    in place), and gloo's scratch."""
+    in place), and the backend's scratch."""
     if not unit.trainable_numel or group_size == 1:
         return 0
     nbytes = unit.layout.padded_numel * _size(unit.reduce_dtype)
-    scratch = min(nbytes // group_size, GLOO_ALL_REDUCE_SCRATCH_CAP) if gloo else 0
-    return (0 if unit.replicated else nbytes) + scratch
+    scratch = (min(nbytes // group_size, GLOO_ALL_REDUCE_SCRATCH_CAP) if backend == "gloo"
+               else _collective_scratch(backend, group_size))
+    return (0 if unit.replicated or scratch_only else nbytes) + scratch
 
 
-def _backward_grad_bytes(unit: PlannedUnit) -> int:
-    """In a unit's backward, beyond its gradient shard: autograd's gradients of its parameters (until they are
-    flattened), its unsharded gradient (a replicated unit's becomes the shard's gradient itself) and the
-    reduction's input when it is cast to ``reduce_dtype``."""
-    if not unit.trainable_numel:
+def _autograd_grad_bytes(unit: PlannedUnit) -> int:
+    """Autograd's gradients of a unit's parameters, held until its post-backward flattens them."""
+    return unit.trainable_numel * _size(unit.param_dtype)
+
+
+def _flat_grad_bytes(unit: PlannedUnit) -> int:
+    """The unsharded flat gradient a sharded unit's post-backward makes (a replicated unit's becomes the shard's
+    gradient itself)."""
+    return 0 if unit.replicated or not unit.trainable_numel else unit.layout.padded_numel * _size(unit.param_dtype)
+
+
+def _cast_bytes(unit: PlannedUnit) -> int:
+    """The reduction's input, when the gradient is cast to ``reduce_dtype``."""
+    if not unit.trainable_numel or unit.reduce_dtype == unit.param_dtype:
         return 0
-    layout = unit.layout
-    autograd = unit.trainable_numel * _size(unit.param_dtype)
-    grad = 0 if unit.replicated else layout.padded_numel * _size(unit.param_dtype)
-    cast = layout.padded_numel * _size(unit.reduce_dtype) if unit.reduce_dtype != unit.param_dtype else 0
-    return autograd + grad + cast
+    return unit.layout.padded_numel * _size(unit.reduce_dtype)

@@ -37,6 +37,7 @@ class PlannedUnit:
     is_root: bool
     reshard_after_forward: bool
     reduces_prefix: bool  # use_orig_params with frozen and trainable parameters: an all-reduce of the prefix
+    param_names: tuple[str, ...] = ()  # its parameters' names under the root (shared ones once)
 
     @property
     def replicated(self) -> bool:
@@ -63,6 +64,7 @@ def planned_units(
                                          individually):
             overrides[target] = extra
     names = {m: name for name, m in model.named_modules(remove_duplicate=False)}
+    param_names = {id(p): name for name, p in model.named_parameters()}
     units = []
     for target in sorted(overrides, key=lambda m: list(names).index(m) if m in names else -1):
         params = _unit_params(target, set(overrides) - {target}, ignored, ignored_params)
@@ -86,6 +88,7 @@ def planned_units(
             is_root=target is model,
             reshard_after_forward=unit_strategy in RESHARD_AFTER_FORWARD,
             reduces_prefix=(use_orig_params and 0 < trainable < sum(p.numel() for p in params) and factor > 1),
+            param_names=tuple(param_names[id(p)] for p in params if id(p) in param_names),
         ))
     return units
 
