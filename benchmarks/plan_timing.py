@@ -1,8 +1,11 @@
 """flatshard.plan's step time against measured gloo steps on this machine (issue 20's timing model).
 
 Per world size (W = 2, 4 by default), in one job:
-1. the network: flatshard's own all-gather and reduction paths (the `collectives` benchmark's) at two
-   unit sizes, fitted as a ring ([Note: The timing model]);
+1. the network: flatshard's own all-gather and reduction paths (the `collectives` benchmark's) at three
+   unit sizes, fitted as a ring ([Note: The timing model]); then the latency a collective has inside a
+   training step, where it waits for its peers and for the threads that share the cores with the compute:
+   the `many-small-units` workload (65 units of 16x16, all latency) stepped wrapped and unwrapped, its
+   excess over the ring's per-step latencies spread over its collectives;
 2. the compute: the `gpt` workload's model unwrapped (the `local` peer), its forward, backward and
    optimizer step on the rank's batch timed with ``flatshard.plan.measure_compute``, all ranks at once
    (the same contention for the two cores as the wrapped steps);
@@ -36,7 +39,7 @@ from fsbench.peers import build_peer  # noqa: E402
 from fsbench.timing import Plan, Timed, interleaved, summarize  # noqa: E402
 from fsbench.workloads import SPECS  # noqa: E402
 
-UNIT_MB = (1, 2, 4)  # the `gpt` workload's units are 0.7 MB
+UNIT_MB = (0.02, 0.7, 4)  # a latency-bound size, the `gpt` workload's units (0.7 MB), a bandwidth-bound size
 
 
 def _fit_gloo(ctx: Ctx, plan: Plan) -> dict:
@@ -71,6 +74,30 @@ def _fit_gloo(ctx: Ctx, plan: Plan) -> dict:
     return {"bandwidth": 1 / b, "step_latency": max(0.0, a), "points": points}
 
 
+def _step_latency(ctx: Ctx, plan: Plan, gloo: dict) -> dict:
+    """The fixed latency of one collective inside a step (see the module's docstring, 1.)."""
+    import flatshard
+    from flatshard.plan import Network
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    spec = SPECS["many-small-units"]()
+    batches = [tuple(t.to(ctx.device) for t in local_slice(b, ctx.rank, ctx.world_size))
+               for b in make_batches(spec, 4, 16)]
+    peers = {"flatshard": build_peer("flatshard", spec, ctx), "local": build_peer("local", spec, ctx)}
+    items = {name: Timed(run=lambda i, p=p: p.step(*batches[i % len(batches)])) for name, p in peers.items()}
+    samples, _ = interleaved(ctx, items, plan)
+    excess = (summarize(samples["flatshard"])["median_ms"] - summarize(samples["local"])["median_ms"]) / 1e3
+    with torch.device("meta"):
+        meta = spec.build()
+    ring = flatshard.plan(meta, ctx.world_size, auto_wrap_policy=ModuleWrapPolicy({spec.unit_cls}), backend="gloo",
+                          device="cpu", network=Network("ring", gloo["bandwidth"], 0.0, gloo["step_latency"]),
+                          compute=(0.0, 0.0, 0.0))
+    calls = sum(bool(t.all_gather) * (1 + (u.reshard_after_forward and not u.is_root))
+                + bool(t.reduce_scatter or t.all_reduce) + bool(t.replica_all_reduce)
+                for u, t in zip(ring.units, ring.traffic)) + 2  # and the rank guard's two exchanges
+    return {"latency": max(0.0, excess - ring.timing.communication) / calls, "excess_s": excess, "calls": calls}
+
+
 def _measure(ctx: Ctx, plan: Plan) -> dict:
     import flatshard
     from flatshard.plan import Network, measure_compute
@@ -80,6 +107,7 @@ def _measure(ctx: Ctx, plan: Plan) -> dict:
     batches = [tuple(t.to(ctx.device) for t in local_slice(b, ctx.rank, ctx.world_size))
                for b in make_batches(spec, 4, 8)]
     gloo = _fit_gloo(ctx, plan)
+    gloo.update(_step_latency(ctx, plan, gloo))
     local = build_peer("local", spec, ctx)
     x, y = batches[0]
     compute = measure_compute(local.model, lambda m: spec.loss(m(x), y), local.optimizer, repeats=9)
@@ -88,7 +116,9 @@ def _measure(ctx: Ctx, plan: Plan) -> dict:
     items = {name: Timed(run=lambda i, p=p: p.step(*batches[i % len(batches)])) for name, p in peers.items()}
     samples, errors = interleaved(ctx, items, plan)
     measured = {name: summarize(samples[name]) for name in peers if samples.get(name)}
-    network = Network("gloo (fitted here)", gloo["bandwidth"], 0.0, gloo["step_latency"])
+    # gloo on this machine: a loopback network on the cores the ranks compute on; a core each up to the cores' count
+    network = Network("gloo (fitted here)", gloo["bandwidth"], gloo["latency"], gloo["step_latency"],
+                      transfer_on_compute_cores=ctx.world_size <= (os.cpu_count() or 1))
     with torch.device("meta"):
         meta = spec.build()
     planned = flatshard.plan(meta, ctx.world_size, auto_wrap_policy=ModuleWrapPolicy({spec.unit_cls}),
@@ -117,7 +147,7 @@ def main() -> int:
         fs = r["measured"]["flatshard"]["median_ms"] / 1e3
         local = r["measured"]["local"]["median_ms"] / 1e3
         print(f"W={w}: gloo fitted {r['gloo']['bandwidth'] / 1e9:.2f} GB/s, {r['gloo']['step_latency'] * 1e6:.0f} us "
-              f"per ring step; compute fwd/bwd/opt {', '.join(f'{v * 1e3:.1f}' for v in r['compute_s'])} ms "
+              f"per ring step, {r['gloo']['latency'] * 1e6:.0f} us per collective in a step; compute fwd/bwd/opt {', '.join(f'{v * 1e3:.1f}' for v in r['compute_s'])} ms "
               f"(local step measured {local * 1e3:.1f} ms)")
         print(f"     planned step {t['step'] * 1e3:.1f} ms (collectives {t['communication'] * 1e3:.1f}: "
               + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(t['per_kind'].items()))

@@ -254,15 +254,29 @@ def test_step_time_model():
         gathers = 1 if u.is_root else 2
         expected["all_gather"] = expected.get("all_gather", 0) + gathers * (1e-5 + 3 * 2e-6 + 3 * shard / 1e9)
         expected["reduce_scatter"] = expected.get("reduce_scatter", 0) + 1e-5 + 3 * 2e-6 + 0.75 * padded / 1e9
-    expected["rank_guard"] = 2 * (1e-5 + 3 * 2e-6 + 3 * 64 / 1e9)
+    # The guard: two exchanges of log2(4) = 2 rounds, each a two-rank swap of 128 bytes.
+    expected["rank_guard"] = 2 * 2 * (1e-5 + 2e-6 + 128 / 1e9)
     assert t.per_kind == pytest.approx(expected)
-    assert t.step == pytest.approx(sum(compute) + sum(expected.values()))
+    from flatshard.plan._timing import _guard_rounds
+    assert [_guard_rounds(w) for w in (1, 2, 3, 4, 6, 8, 1024)] == [0, 1, 3, 2, 4, 3, 10]
+    # The optimizer steps the rank's shards: a quarter of the elements (and the padding).
+    stepped = sum(u.layout.shard_numel for u in serial.units) / sum(u.numel for u in serial.units)
+    assert 0.25 <= stepped < 0.26
+    assert t.step == pytest.approx(compute[0] + compute[1] + compute[2] * stepped + sum(expected.values()))
+    # A loopback network on the compute's cores pays every collective's bytes once more, not its latencies.
+    import dataclasses
+    loopback = flatshard.plan(meta, 4, auto_wrap_policy=policy, compute=compute, overlap=False,
+                              network=dataclasses.replace(net, transfer_on_compute_cores=True)).timing
+    transfer = sum(v for k, v in expected.items() if k != "rank_guard") - (1e-5 + 3 * 2e-6) * 2 * len(serial.units) \
+        - (1e-5 + 3 * 2e-6) * (len(serial.units) - 1)
+    assert loopback.per_kind["transfer_on_compute_cores"] == pytest.approx(transfer)
+    assert loopback.step == pytest.approx(t.step + transfer)
     overlapped = flatshard.plan(meta, 4, auto_wrap_policy=policy, network=net, compute=compute, overlap=True).timing
-    assert sum(compute) <= overlapped.step < t.step
+    assert overlapped.compute == t.compute <= overlapped.step < t.step
     assert 0 < overlapped.exposed_communication < t.exposed_communication
     free = Network("free", bandwidth=1e30)
     assert flatshard.plan(meta, 4, auto_wrap_policy=policy, network=free, compute=compute).timing.step == \
-        pytest.approx(sum(compute))
+        pytest.approx(t.compute)
     # Without compute the step is the communication alone; named networks; bad input names what is wrong.
     alone = flatshard.plan(meta, 64, auto_wrap_policy=policy, network="nvlink").timing
     assert alone.network == NVLINK.name and alone.step >= alone.communication * 0.999 and alone.compute == 0

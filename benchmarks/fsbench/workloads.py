@@ -175,11 +175,11 @@ def run_collectives(ctx: Ctx, cfg: CollectivesConfig) -> dict:
             "plan": vars(cfg.plan), "sizes": rows}
 
 
-def _one_size(ctx: Ctx, mb: int, plan: Plan) -> dict:
+def _one_size(ctx: Ctx, mb: float, plan: Plan) -> dict:
     from flatshard import FullyShardedDataParallel as FSDP
 
     w = ctx.world_size
-    numel = mb * 2**20 // 4
+    numel = int(mb * 2**20) // 4
     numel -= numel % w
     shard = numel // w
     row: dict = {"size_mb": mb, "bytes": numel * 4}

@@ -18,9 +18,18 @@ backward's in reverse. Then one step is played on two queues:
   reduction is issued when its backward ends, and the step ends when both queues are done,
   then the optimizer steps;
 - ``overlap=False`` (a CPU: the same cores run the collectives, gloo's threads copy and sum
-  what they move): the collectives add to the compute.
-The rank guard's two exchanges per step (64 bytes per rank each, [Note: Rank-divergence guard])
-are all-gathers too, before the forward and the backward. Exposed communication is the step
+  what they move): the collectives add to the compute. Where the network is a loopback on the
+  cores the ranks compute on, a core per rank (``Network.transfer_on_compute_cores``: gloo on
+  a CPU with no more ranks than cores), the kernel copies every byte on a rank's own core while
+  the rank computes or waits: the bytes part of every collective is paid once more, as compute
+  (measured: with W = 2 on two cores the wrapped step's training thread spends 12 ms more on
+  its core than the unwrapped one's, about the bytes' time; with more ranks than cores the
+  compute and the collectives are measured sharing the cores, all ranks at once, which
+  already holds it).
+The optimizer's step is scaled to the elements it steps: the rank's shards.
+The rank guard's two exchanges per step, before the forward and the backward, are log2(W)
+rounds each of a two-rank swap of 128 bytes (two more when W is not a power of two: [Note: The
+guard's exchange in log W rounds]), each round a collective of two ranks. Exposed communication is the step
 less the compute. Defaults: ``NVLINK`` and ``INFINIBAND``
 below, with their sources; ``Network(...)`` for your own (or measured: ``benchmarks/plan_timing.py``
 fits gloo's on this machine).
@@ -50,6 +59,10 @@ class Network:
     latency: float = 0.0
     step_latency: float = 0.0
     source: str = ""
+    # A loopback network on the cores the ranks compute on, one core per rank (gloo on a CPU): the kernel copies every
+    # byte on a rank's own core, so a collective's transfer costs the compute that time as well (see [Note: The timing
+    # model]).
+    transfer_on_compute_cores: bool = False
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or self.latency < 0 or self.step_latency < 0:
@@ -79,7 +92,15 @@ def collective_seconds(kind: str, nbytes: int, group: int, network: Network) -> 
     return network.latency + steps * network.step_latency + sent / network.bandwidth
 
 
-GUARD_BYTES = 64  # the rank guard's fingerprint per rank (see [Note: Rank-divergence guard])
+GUARD_BYTES = 128  # what each rank sends in a round of the rank guard's exchange (its minimum and maximum vectors)
+
+
+def _guard_rounds(world: int) -> int:
+    """Rounds of one exchange of the rank guard (see [Note: The guard's exchange in log W rounds])."""
+    if world <= 1:
+        return 0
+    m = 1 << (world.bit_length() - 1)  # the largest power of two <= world
+    return m.bit_length() - 1 + (2 if m != world else 0)
 
 
 @dataclasses.dataclass
@@ -137,11 +158,16 @@ def step_time(units: list[PlannedUnit], shard_group: int, replicate_group: int, 
     forward, backward, optimizer = compute
     per_kind: dict[str, float] = {}
     collectives = [_unit_collectives(u, shard_group, replicate_group, network, gloo, per_kind) for u in units]
+    if network.transfer_on_compute_cores:
+        per_kind["transfer_on_compute_cores"] = _transfer_seconds(units, shard_group, replicate_group, network, gloo)
     world = shard_group * replicate_group
-    guard = 2 * collective_seconds("all_gather", GUARD_BYTES, world, network)
+    guard = 2 * _guard_rounds(world) * collective_seconds("all_gather", GUARD_BYTES, 2, network)
     if guard:
         per_kind["rank_guard"] = guard
     communication = sum(per_kind.values())
+    # The optimizer steps the rank's shards only.
+    optimizer *= sum(u.layout.shard_numel for u in units if u.trainable_numel) / max(
+        1, sum(u.numel for u in units if u.trainable_numel))
     total_compute = forward + backward + optimizer
     if not overlap:
         step = total_compute + communication
@@ -150,6 +176,17 @@ def step_time(units: list[PlannedUnit], shard_group: int, replicate_group: int, 
     return StepTime(compute=total_compute, communication=communication,
                     exposed_communication=max(0.0, step - total_compute), step=step, per_kind=per_kind,
                     network=network.name, overlap=overlap)
+
+
+def _transfer_seconds(units: list[PlannedUnit], shard_group: int, replicate_group: int, network: Network,
+                      gloo: bool) -> float:
+    """The bytes part of every collective of a step (no latencies): what the kernel's copies take from the compute
+    when the network is the compute's own cores (``Network.transfer_on_compute_cores``)."""
+    bytes_only = dataclasses.replace(network, latency=0.0, step_latency=0.0, transfer_on_compute_cores=False)
+    per_kind: dict[str, float] = {}
+    for unit in units:
+        _unit_collectives(unit, shard_group, replicate_group, bytes_only, gloo, per_kind)
+    return sum(per_kind.values())
 
 
 def _played(units: list[PlannedUnit], collectives: list[_UnitCollectives], forward: float, backward: float) -> float:
