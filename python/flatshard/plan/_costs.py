@@ -159,7 +159,8 @@ def rank_memory(units: list[PlannedUnit], optimizer: str, offload_params: bool, 
     device = device_steady + max(timeline.forward, timeline.backward(grads_on_device=not offload_params),
                                  0 if offload_params else grads + step_temporaries)
     runtime_host = sum(len(u.param_names) * RUNTIME_HOST_BYTES_PER_PARAM[u.replicated] for u in units)
-    runtime_host += GLOO_GROUP_HOST_BYTES * new_groups if backend == "gloo" else 0
+    if backend == "gloo":
+        runtime_host += GLOO_GROUP_HOST_BYTES * new_groups + GLOO_BYTES_PER_PEER * (shard_group_size - 1)
     combined = shards + optim + runtime_host + max(timeline.forward, timeline.backward(grads_on_device=True),
                                                    grads + step_temporaries)
     return RankMemory(
@@ -180,6 +181,9 @@ RUNTIME_HOST_BYTES_PER_PARAM = {False: 1_860, True: 1_160}  # by whether the uni
 # (measured: 155-160 KB more per hybrid wrap than per FULL_SHARD one at W = 2 and 4). The rank guard's pair groups are
 # made once per process, not per wrap, and are not counted.
 GLOO_GROUP_HOST_BYTES = 80_000
+# What gloo keeps per peer of the shard group after flatshard's first collectives over it (its per-connection buffers):
+# measured 40 KB at W = 2 and 120 KB at W = 4 beyond the rest of ``runtime_host``.
+GLOO_BYTES_PER_PEER = 40_000
 
 
 class _Timeline:
