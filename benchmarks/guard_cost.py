@@ -23,6 +23,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from typing import Any  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
 from fsbench.dist_env import Ctx, launch  # noqa: E402
 from fsbench.models import local_slice, make_batches  # noqa: E402
 from fsbench.peers import build_peer  # noqa: E402
@@ -50,6 +54,7 @@ def _measure(ctx: Ctx, arg: tuple[str, Plan]) -> dict:
         peers[mode] = peer
     os.environ.pop("FLATSHARD_RANK_GUARD")
     modes_seen = {m: ("_rank_guard" in p.model.__dict__) for m, p in peers.items()}
+    inside = _time_inside_checks(peers["on"])
     items = {m: Timed(run=lambda i, p=p: p.step(*batches[i % len(batches)])) for m, p in peers.items()}
     samples, errors = interleaved(ctx, items, plan)
     out = {"workload": workload, "world_size": ctx.world_size, "guard_created": modes_seen, "errors": errors,
@@ -57,7 +62,36 @@ def _measure(ctx: Ctx, arg: tuple[str, Plan]) -> dict:
     for mode in peers:
         if mode in samples and samples[mode]:
             out[mode] = summarize(samples[mode])
+    # The guard's own time on the step's critical path: per check, the time the last rank to arrive spent inside it
+    # (the smallest over the ranks: the exchanges' round trips once every rank is there; an earlier rank's longer wait
+    # is skew that the step's first collective would absorb without the guard), summed per step. The steps' noise does
+    # not blur it.
+    every: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(every, inside["durations"])
+    n = min(len(d) for d in every)
+    last_in = [min(d[i] for d in every) for i in range(n)]
+    out["last_rank_in_checks_us_per_step"] = sum(last_in) / max(1, n // 2) * 1e6
+    out["any_rank_in_checks_us_per_step"] = max(sum(d[:n]) for d in every) / max(1, n // 2) * 1e6
     return out
+
+
+def _time_inside_checks(peer: Any) -> dict:
+    """Records the seconds of each of the peer's root's guard checks from now on (a wrapper on the instance)."""
+    import time
+
+    guard = peer.model._unit_state.root.guard
+    tally: dict = {"durations": []}
+    check = guard.check
+
+    def timed(*args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            check(*args, **kwargs)
+        finally:
+            tally["durations"].append(time.perf_counter() - start)
+
+    guard.check = timed
+    return tally
 
 
 def _exchange(ctx: Ctx, repeats: int) -> dict:
@@ -112,14 +146,15 @@ def main() -> int:
     print(f"guard cost, W={args.world_size}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"commit {commit}")
     print(f"{'workload':18} {'off ms':>8} {'on ms':>8} {'strict ms':>10} {'on/off':>7} {'strict/off':>10} "
-          f"{'on - off per step':>18}")
+          f"{'on - off per step':>18} {'last rank in checks':>20} {'any rank':>9}")
     for w, r in results.items():
         if "error" in r or "off" not in r:
             print(f"{w:18} failed: {r.get('error') or r.get('errors')}")
             continue
         off, on, strict = (r[m]["median_ms"] if m in r else float("nan") for m in ("off", "on", "strict"))
+        last, anyone = (r.get(k, float("nan")) for k in ("last_rank_in_checks_us_per_step", "any_rank_in_checks_us_per_step"))
         print(f"{w:18} {off:8.2f} {on:8.2f} {strict:10.2f} {on / off:7.3f} {strict / off:10.3f} "
-              f"{(on - off) * 1e3:15.0f} us")
+              f"{(on - off) * 1e3:15.0f} us {last:8.0f} us ({last / 1e3 / on:.2%}) {anyone:6.0f} us")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"commit": commit, "results": results}, f, indent=1)

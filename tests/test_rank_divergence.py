@@ -183,6 +183,40 @@ def test_guard_can_be_turned_off():
     assert run_distributed(_guard_off, 2, "1", timeout=DEADLINE) == [True, True]
 
 
+def _links_and_their_fallback(rank, world_size):
+    """[Note: The guard's links]: each round's partner is a TCP connection of the guard's own; where one cannot be
+    made (here: rank 3 cannot connect to anyone), that pair falls back to a two-rank gloo group, on both ends, and the
+    guard still says who differs."""
+    import socket
+
+    from flatshard import RankDivergenceError, _guard_links
+
+    if rank == 3:
+        def refuse(*args, **kwargs):
+            raise ConnectionRefusedError("no route (the test's)")
+
+        socket.create_connection = refuse
+    model, opt = _trained_one_step(rank, world_size)
+    kinds = [type(link).__name__ for _, link in model._unit_state.root.guard._rounds]
+    # rounds: with 1 (k = 1) and with 2 (k = 2); rank 3's are with 2 and 1, both through gloo
+    expected = {0: ["SocketLink", "SocketLink"], 1: ["SocketLink", "GlooLink"], 2: ["GlooLink", "SocketLink"],
+                3: ["GlooLink", "GlooLink"]}[rank]
+    assert kinds == expected, kinds
+    assert all(isinstance(link, (_guard_links.SocketLink, _guard_links.GlooLink))
+               for _, link in model._unit_state.root.guard._rounds)
+    _step(model, opt, 1, rank, world_size)  # agreeing ranks pass
+    with pytest.raises(RankDivergenceError, match=r"rank 2 runs forward 3 without grad while ranks 0, 1, 3 run "
+                                                  r"forward 3 with grad"):
+        if rank == 2:
+            with torch.no_grad():
+                model(make_batch()[0])
+        _step(model, opt, 2, rank, world_size)
+
+
+def test_guard_links_fall_back_to_gloo_where_no_connection_can_be_made():
+    run_distributed(_links_and_their_fallback, 4, timeout=DEADLINE)
+
+
 def _state_dict_in_forward(rank, world_size):
     from flatshard import FullyShardedDataParallel as FSDP
 

@@ -32,7 +32,7 @@ issued at the first backward hook and checked later (overlapping the root's own
 layers' backward), it would let that hook's prefetch all-gather go out first, and a
 peer that skipped this backward would never pair it: the group would stay poisoned
 for whatever the ranks do next (a barrier, a checkpoint). So each exchange blocks, about
-2 x log2(W) x gloo's small-message latency per step plus whatever skew between the ranks it
+2 x log2(W) small-message round trips per step over the guard's own links plus whatever skew between the ranks it
 absorbs (which the step's first collective would absorb otherwise); benchmarks/guard_cost.py
 measures it.
 
@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from flatshard import _C, _stall_watch
+from flatshard import _C, _guard_links, _stall_watch
 from flatshard._profiling import collective_range
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ _WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), r
 # at W = 1024 over a thousand latencies per check. What the check needs is only whether all
 # vectors are equal: the elementwise minimum and maximum over the ranks say it (equal exactly
 # when every vector is), and they combine in any order. So the ranks compute both by recursive
-# doubling, point to point over the guard's group: with m the largest power of two <= W, the
+# doubling, point to point over links of their own ([Note: The guard's links] in _guard_links.py): with m the largest power of two <= W, the
 # ranks m..W-1 first hand their vector to rank r - m; ranks 0..m-1 then swap and combine with
 # rank r XOR 2^k for k = 0..log2(m)-1; the ranks m..W-1 receive the result back. That is
 # log2(m) rounds, two more when W is not a power of two: 1 at W = 2, 10 at W = 1024. Each
@@ -189,36 +189,38 @@ class RankGuard:
             self._mine = torch.zeros(_WIDTH, dtype=torch.int64)
             self._both = torch.zeros(2, _WIDTH, dtype=torch.int64)  # the minimum and maximum so far
             self._outgoing = torch.zeros(2, _WIDTH, dtype=torch.int64)
-            self._pair = torch.zeros(2 * 2 * _WIDTH, dtype=torch.int64)
+            self._theirs = torch.zeros(2, _WIDTH, dtype=torch.int64)
+        self._links: list[Any] = []
         self._rounds = [] if self.simulated or len(self.ranks) < 2 else self._pair_rounds(
             group_timeout(top.process_group))
         _stall_watch.attach(self)  # see [Note: Stalled waits]
 
-    def _pair_rounds(self, timeout: timedelta) -> list[tuple[str, Any, int]]:
-        """(what to do with the partner's vectors, the two-rank gloo group with it, this rank's slot in it) per round
-        (see [Note: The guard's exchange in log W rounds]), the groups made now, in round order on every rank."""
+    def _pair_rounds(self, timeout: timedelta) -> list[tuple[str, Any]]:
+        """(what to do with the partner's vectors, the link to it) per round (see [Note: The guard's exchange in log W
+        rounds] and [Note: The guard's links]), the links made now, in round order on every rank."""
         n, me = len(self.ranks), self.ranks.index(dist.get_rank())
         m = 1 << (n.bit_length() - 1)
 
-        def pair(other: int, round_: str) -> tuple[Any, int]:
+        def pair(other: int, round_: str) -> Any:
             a, b = sorted((me, other))
-            store = dist.PrefixStore(f"flatshard/rank_guard/{self.key}/{round_}/{a}-{b}/",
-                                     dist.distributed_c10d._get_default_store())
-            return dist.ProcessGroupGloo(store, 0 if me == a else 1, 2, timeout), 0 if me == a else 1
+            link = _guard_links.make_link(f"flatshard/rank_guard/{self.key}/{round_}/{a}-{b}/", 0 if me == a else 1,
+                                          timeout)
+            self._links.append(link)
+            return link
 
         if me >= m:
-            group, slot = pair(me - m, "extra")
-            return [("give", group, slot), ("take", group, slot)]
+            link = pair(me - m, "extra")
+            return [("give", link), ("take", link)]
         rounds = []
         extra = pair(me + m, "extra") if me + m < n else None
         if extra is not None:
-            rounds.append(("combine", *extra))
+            rounds.append(("combine", extra))
         k = 1
         while k < m:
-            rounds.append(("combine", *pair(me ^ k, f"round{k.bit_length()}")))
+            rounds.append(("combine", pair(me ^ k, f"round{k.bit_length()}")))
             k <<= 1
         if extra is not None:
-            rounds.append(("give", *extra))
+            rounds.append(("give", extra))
         return rounds
 
     def model_changed(self) -> None:
@@ -269,10 +271,10 @@ class RankGuard:
         both[1].copy_(self._mine)
         if self.simulated:  # every simulated peer does what this rank does
             return both[0], both[1]
-        for kind, group, slot in self._rounds:
+        theirs = self._theirs
+        for kind, link in self._rounds:
             self._outgoing.copy_(both)
-            _stall_watch.wait(group._allgather_base(self._pair, self._outgoing.view(-1)), what)
-            theirs = self._pair.view(2, 2, _WIDTH)[1 - slot]
+            link.swap(self._outgoing, theirs, lambda ready: _stall_watch.wait(ready, what))
             if kind == "combine":
                 torch.minimum(both[0], theirs[0], out=both[0])
                 torch.maximum(both[1], theirs[1], out=both[1])

@@ -51,7 +51,7 @@ import json
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
@@ -121,21 +121,15 @@ def note_abandoned(label: str, step: int, error: BaseException) -> None:
         _watch.abandoned = f"its forward {step} of {label} raised {type(error).__name__}: {str(error)[:200]}"
 
 
-def wait(work: Any, what: str) -> None:
-    """``work.wait()`` for a Python-side collective (the guard's exchange), watched (see the Note)."""
+def wait(ready: Callable[[float], bool], what: str) -> None:
+    """Waits for a Python-side exchange (the guard's): ``ready(seconds)`` waits at most ``seconds`` and says whether
+    it is done (it raises itself at the group's timeout); watched between slices (see the Note)."""
     if not _watch.active:
-        work.wait()
+        while not ready(3600.0):
+            pass
         return
-    from datetime import timedelta
-
     waited, slice_ = 0.0, FIRST_SECONDS
-    while True:
-        try:
-            work.wait(timeout=timedelta(seconds=slice_))
-            return
-        except RuntimeError as e:
-            if "timed out" not in str(e) or work.is_completed():
-                raise
+    while not ready(slice_):
         if not waited:
             _watch.suspect = None  # (a new wait: nothing seen yet)
         waited += slice_

@@ -1,0 +1,219 @@
+"""The rank guard's two-rank links: a TCP connection per partner, written and read on the training thread.
+
+[Note: The guard's links]
+Each round of the guard's exchange ([Note: The guard's exchange in log W rounds]) swaps 256
+bytes with one partner. Over a two-rank gloo group that swap is a collective: the training
+thread hands it to gloo's worker thread, which sends it; the partner's worker receives it and
+wakes the partner's training thread. Each hand-off needs a core; where the ranks outnumber the
+cores (four ranks on two) every one waits for a scheduler slice, and a round took 1.7 ms at
+W = 4 on this machine (0.19 ms at W = 2) where the same bytes over a socket written and read
+by the training threads themselves take 0.05 ms (benchmarks/RESULTS.md, guard cost). So each
+pair of partners holds a TCP connection of its own (``TCP_NODELAY``): the lower rank of the
+pair listens on an ephemeral port of every interface and publishes ``host:port`` under the
+pair's key in the default store; the higher one connects and says which pair it is. The
+host is the one gloo would pick: the address of ``GLOO_SOCKET_IFNAME``'s interface if set,
+else 127.0.0.1 between ranks on one host, else the host name's address. A pair whose
+connection cannot be made (a firewall, an unroutable host name) says so in the store, and
+both partners use a two-rank gloo group for that pair instead, as before.
+
+A swap sends this rank's bytes (never blocking: they fit the socket's buffer) and reads the
+partner's, waiting in slices so that the stall watch can look where the peers are between
+them ([Note: Stalled waits]); the group's timeout bounds the whole wait. A partner that died
+closes its end: the read sees it at once, and the error says the connection closed, as gloo's
+would, so that the stall watch's roll call names who is gone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+_HELLO = b"flatshard-guard-link\n"
+_IFNAME_ADDRESS = 0x8915  # SIOCGIFADDR
+
+
+class LinkClosed(RuntimeError):
+    """The partner closed its end of the link (it exited or died)."""
+
+
+def _interface_address(name: str) -> str:
+    """IPv4 address of the network interface ``name`` (Linux)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), _IFNAME_ADDRESS, struct.pack("256s", name[:15].encode()))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _my_host() -> str:
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        return _interface_address(ifname)
+    return socket.gethostbyname(socket.gethostname())
+
+
+class SocketLink:
+    """One end of a TCP connection to the partner of a round."""
+
+    def __init__(self, sock: socket.socket, timeout: timedelta) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(True)
+        self._sock = sock
+        self._timeout = timeout.total_seconds()
+
+    def swap(self, outgoing: torch.Tensor, incoming: torch.Tensor, wait: Callable[[Callable[[float], bool]], None]
+             ) -> None:
+        """Sends ``outgoing``'s bytes and reads the partner's as many into ``incoming``'s second half (slot 1 of
+        the pair buffer, as a two-rank all-gather lays them: see ``swap``'s callers), waiting through ``wait``."""
+        data = outgoing.numpy().tobytes()
+        view = memoryview(incoming.numpy()).cast("B")
+        try:
+            self._sock.sendall(data)
+        except OSError as e:
+            raise LinkClosed(f"Connection closed by peer ({e})") from e
+        got = 0
+        deadline = time.monotonic() + self._timeout
+
+        def ready(seconds: float) -> bool:
+            nonlocal got
+            end = min(time.monotonic() + seconds, deadline)
+            while got < len(view):
+                left = end - time.monotonic()
+                if left <= 0:
+                    if time.monotonic() >= deadline:
+                        raise RuntimeError(f"flatshard: the rank guard's link timed out after {self._timeout:.0f} s")
+                    return False
+                self._sock.settimeout(left)
+                try:
+                    n = self._sock.recv_into(view[got:])
+                except socket.timeout:
+                    continue
+                except OSError as e:
+                    raise LinkClosed(f"Connection closed by peer ({e})") from e
+                if n == 0:
+                    raise LinkClosed("Connection closed by peer")
+                got += n
+            return True
+
+        wait(ready)
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+class GlooLink:
+    """The same swap over a two-rank gloo group (where no connection could be made)."""
+
+    def __init__(self, group: Any, slot: int) -> None:
+        self._group = group
+        self._slot = slot
+        self._buffer: torch.Tensor | None = None
+
+    def swap(self, outgoing: torch.Tensor, incoming: torch.Tensor, wait: Callable[[Callable[[float], bool]], None]
+             ) -> None:
+        n = outgoing.numel()
+        if self._buffer is None or self._buffer.numel() != 2 * n:
+            self._buffer = torch.zeros(2 * n, dtype=outgoing.dtype)
+        work = self._group._allgather_base(self._buffer, outgoing.reshape(-1))
+
+        def ready(seconds: float) -> bool:
+            try:
+                work.wait(timeout=timedelta(seconds=seconds))
+                return True
+            except RuntimeError as e:
+                if "timed out" not in str(e) or work.is_completed():
+                    raise
+                return False
+
+        wait(ready)
+        incoming.copy_(self._buffer[(1 - self._slot) * n:(2 - self._slot) * n].view_as(incoming))
+
+    def close(self) -> None:
+        pass
+
+
+def make_link(prefix: str, slot: int, timeout: timedelta) -> SocketLink | GlooLink:
+    """This rank's end of the pair rendezvousing under ``prefix`` in the default store (slot 0: the lower rank).
+    Both ends make it at the same point of the same program (the guard's construction)."""
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    deadline = time.monotonic() + timeout.total_seconds()
+    sock = None
+    try:
+        sock = _accept(store, deadline) if slot == 0 else _connect(store, deadline)
+    except OSError as e:
+        sock = None
+        store.set(f"failed/{slot}", str(e)[:200])
+    if sock is None and not store.check([f"failed/{slot}"]):
+        store.set(f"failed/{slot}", "no connection")
+    if sock is not None:
+        # Both ends agree before using it: a connection one end gave up on is not used by the other.
+        store.set(f"ready/{slot}", "1")
+        if _first_of(store, [f"ready/{1 - slot}", f"failed/{1 - slot}"], deadline) != f"ready/{1 - slot}":
+            sock.close()
+            sock = None
+    if sock is None:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), slot, 2, timeout)
+        return GlooLink(group, slot)
+    return SocketLink(sock, timeout)
+
+
+def _first_of(store: Any, keys: list[str], deadline: float) -> str | None:
+    """The first of ``keys`` set in ``store`` (polled), or None at ``deadline``."""
+    while True:
+        for key in keys:
+            if store.check([key]):
+                return key
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+
+
+def _accept(store: Any, deadline: float) -> socket.socket | None:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(1)
+        store.set("address", f"{socket.gethostname()}|{_my_host()}|{listener.getsockname()[1]}")
+        listener.settimeout(0.05)
+        while True:  # until the partner connects, or says it could not
+            try:
+                sock, _ = listener.accept()
+            except socket.timeout:
+                if store.check(["failed/1"]) or time.monotonic() > deadline:
+                    return None
+                continue
+            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            if _read_exactly(sock, len(_HELLO)) == _HELLO:
+                return sock
+            sock.close()  # (not the partner: something else found the port)
+    finally:
+        listener.close()
+
+
+def _connect(store: Any, deadline: float) -> socket.socket | None:
+    if _first_of(store, ["address", "failed/0"], deadline) != "address":
+        return None
+    their_host, address, port = store.get("address").decode().split("|")
+    target = "127.0.0.1" if their_host == socket.gethostname() else address
+    sock = socket.create_connection((target, int(port)), timeout=max(1.0, min(30.0, deadline - time.monotonic())))
+    sock.sendall(_HELLO)
+    return sock
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
