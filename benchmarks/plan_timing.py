@@ -45,7 +45,7 @@ UNIT_MB = (0.02, 0.7, 4)  # a latency-bound size, the `gpt` workload's units (0.
 def _fit_gloo(ctx: Ctx, plan: Plan) -> dict:
     """The network a ring model needs to give flatshard's own collectives' times on this machine: the
     `collectives` benchmark's paths (unshard + wait; accumulate + reduce + finish, which gloo runs as an
-    all-reduce) at two unit sizes, fitted by least squares to ``steps * step_latency + bytes sent / bandwidth``
+    all-reduce) at three unit sizes, fitted by least squares to ``steps * step_latency + bytes sent / bandwidth``
     (see [Note: The timing model])."""
     from fsbench.workloads import _one_size
 
@@ -78,6 +78,7 @@ def _step_latency(ctx: Ctx, plan: Plan, gloo: dict) -> dict:
     """The fixed latency of one collective inside a step (see the module's docstring, 1.)."""
     import flatshard
     from flatshard.plan import Network
+    from flatshard.plan._timing import _guard_rounds
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     spec = SPECS["many-small-units"]()
@@ -94,7 +95,7 @@ def _step_latency(ctx: Ctx, plan: Plan, gloo: dict) -> dict:
                           compute=(0.0, 0.0, 0.0))
     calls = sum(bool(t.all_gather) * (1 + (u.reshard_after_forward and not u.is_root))
                 + bool(t.reduce_scatter or t.all_reduce) + bool(t.replica_all_reduce)
-                for u, t in zip(ring.units, ring.traffic)) + 2  # and the rank guard's two exchanges
+                for u, t in zip(ring.units, ring.traffic)) + 2 * _guard_rounds(ctx.world_size)  # and the guard's rounds
     return {"latency": max(0.0, excess - ring.timing.communication) / calls, "excess_s": excess, "calls": calls}
 
 

@@ -226,7 +226,7 @@ def test_activation_profile_follows_the_backward():
     assert 0 < profile.forward <= profile.peak and profile.host_scale >= 1.0
     blocks = [[n for n in names if n.startswith(f"blocks.{i}.")] for i in range(2)]
     acts = profile.at_units(blocks)
-    assert acts.starting[1] == profile.forward and acts.left[0] < acts.left[1] < acts.starting[1]
+    assert acts.starting[1] == profile.backward_start and acts.left[0] < acts.left[1] < acts.starting[1]
     with torch.device("meta"):
         meta = make_gpt()
     kwargs = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), backend="fake", device="cuda")
@@ -234,6 +234,28 @@ def test_activation_profile_follows_the_backward():
     whole = flatshard.plan(meta, 64, activation_bytes=profile.peak, **kwargs).memory
     assert held.activations == whole.activations == profile.peak
     assert held.device_peak < whole.device_peak, (held, whole)
+
+
+def test_activation_profile_maps_onto_units_in_any_order():
+    """``ActivationProfile.at_units`` by hand: windows between each unit's last gradient in backward order; a unit
+    whose gradients all came before the units after it (an embedding made last but registered after the blocks)
+    holds none of its own there and shifts no other unit's window; names the profile never saw are an error."""
+    from flatshard.plan import ActivationProfile
+
+    # backward order: head (root's), b1.w, b1.b, b0.w, emb; segments between the gradients
+    profile = ActivationProfile(peak=100, forward=90, grad_order=("head", "b1.w", "b1.b", "b0.w", "emb"),
+                                grad_bytes=(1, 2, 3, 4, 5), segments=(95, 80, 70, 60, 40, 20),
+                                at_grads=(85, 75, 65, 45, 10), backward_start=88)
+    acts = profile.at_units([["b0.w"], ["b1.w", "b1.b"]])
+    # b1 (first in backward): segments 0-2, its gradients counted as made; b0: segment 3; then the root's own ("emb")
+    assert acts.starting == [65, 88] and acts.left == [45, 65] and acts.after == 40
+    assert acts.computing == [(4, 60), (0, 95)]
+    # A unit listed after the blocks whose gradient is made last ("emb"): its window takes the whole backward, and the
+    # blocks, whose gradients came before it, hold none of their own (no index past the end, no shifted windows).
+    acts = profile.at_units([["b0.w"], ["b1.w", "b1.b"], ["emb"]])
+    assert acts.computing[2] == (0, 95) and acts.left[2] == 10 and acts.left[:2] == [20, 20] and acts.after == 20
+    with pytest.raises(ValueError, match=r"no gradient of the unit holding '_orig_mod.b0.w'"):
+        profile.at_units([["_orig_mod.b0.w"]])
 
 
 def test_step_time_model():

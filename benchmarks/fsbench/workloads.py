@@ -149,7 +149,7 @@ def _build_and_guard(name: str, spec: ModelSpec, ctx: Ctx, ref: dict, batches: l
 # ------------------------------------------------------------------ collectives
 @dataclass(frozen=True)
 class CollectivesConfig:
-    sizes_mb: tuple[int, ...]
+    sizes_mb: tuple[float, ...]
     plan: Plan
 
 

@@ -100,7 +100,8 @@ def measure_case(rank, world_size, strategy_name, variant, simulated=False):
 
 def _gloo_rank(rank, world_size):
     os.environ["LOCAL_WORLD_SIZE"] = str(min(2, world_size))
-    # What a process makes once, at its first wrap's first step (the rank guard's groups), is not any case's.
+    # What a process makes once, at its first wrap's first step (the stall watch, torch's lazily made state), is not
+    # any case's.
     measure_case(rank, world_size, STRATEGIES[0], VARIANTS[0])
     return [measure_case(rank, world_size, s, v) for s in STRATEGIES for v in VARIANTS]
 

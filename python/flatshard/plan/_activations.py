@@ -4,7 +4,7 @@
 What a model's forward saves for its backward depends on the model's code, the batch and the
 dtype, not on flatshard: so the plan takes it from a measured step rather than a formula.
 ``measure_activations(model, loss_fn)`` runs ``loss_fn(model).backward()`` twice on the model
-as it is (unwrapped, on the device it is on; cast to the compute dtype first when one is
+(three times on a CPU: [Note: The autograd graph in host memory]) as it is (unwrapped, on the device it is on; cast to the compute dtype first when one is
 given, as mixed precision computes), the first to let once-only allocations happen, and
 returns the highest point of the second, above what was held before it, of the bytes that are
 not gradients (the plan counts gradients itself, unit by unit as they are reduced): what the
@@ -65,6 +65,7 @@ class ActivationProfile:
     # backward; k = len(grad_order): to its end)
     segments: tuple[int, ...]
     at_grads: tuple[int, ...]  # the non-gradient bytes held when each of those gradients was made
+    backward_start: int = 0  # the non-gradient bytes held when backward starts
     # On a CPU: the host memory a forward holds (autograd's graph included) over its tensors' bytes, else 1
     # (see [Note: The autograd graph in host memory])
     host_scale: float = 1.0
@@ -77,19 +78,26 @@ class ActivationProfile:
                 return tuple(int(v * self.host_scale) for v in values)
 
             return dataclasses.replace(self, forward=int(self.forward * self.host_scale), segments=scaled(self.segments),
-                                       at_grads=scaled(self.at_grads), host_scale=1.0).at_units(unit_params)
+                                       at_grads=scaled(self.at_grads), host_scale=1.0,
+                                       backward_start=int(self.backward_start * self.host_scale)).at_units(unit_params)
         position = {name: k for k, name in enumerate(self.grad_order)}
         n = len(unit_params)
         out = UnitActivations(self.forward, [0] * n, [(0, 0)] * n, [0] * n, 0)
         start = 0  # the segment the next unit's backward starts in
         for i in reversed(range(n)):
-            own = {position[name] for name in unit_params[i] if name in position}
+            if unit_params[i] and not any(name in position for name in unit_params[i]):
+                raise ValueError(
+                    f"flatshard.plan: the activation profile has no gradient of the unit holding "
+                    f"{unit_params[i][0]!r}: it was measured on a model whose parameters are named otherwise (profile "
+                    f"the model you plan, unwrapped and uncompiled)")
+            # (a unit whose gradients all came before the units after it in backward order: none of its own here)
+            own = {position[name] for name in unit_params[i] if position.get(name, -1) >= start}
             end = max([start, *own])
             grads, worst = 0, (0, 0)
             for k in range(start, end + 1):
                 grads += self.grad_bytes[k] if k in own else 0  # (made within segment k: counted through it)
                 worst = max(worst, (grads, self.segments[k]), key=sum)
-            out.starting[i] = self.at_grads[start - 1] if start else self.forward
+            out.starting[i] = self.at_grads[start - 1] if start else self.backward_start
             out.computing[i] = worst
             out.left[i] = self.at_grads[end] if own else self.segments[start]
             start = end + 1 if own else start
@@ -203,7 +211,7 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
     segments.append(high)
     return ActivationProfile(peak=peak, forward=forward, grad_order=tuple(order),
                              grad_bytes=tuple(named[n].numel() * named[n].element_size() for n in order),
-                             segments=tuple(segments), at_grads=tuple(at_grads),
+                             segments=tuple(segments), at_grads=tuple(at_grads), backward_start=forward_end,
                              host_scale=max(1.0, host_forward / forward_end) if host_forward and forward_end else 1.0)
 
 

@@ -20,7 +20,7 @@ Between steps: every unit's shard (the parameters' dtype) and the optimizer's pe
 A step is then walked point by point (``_Timeline``), and the peak is the highest point:
 - forward: the root's unsharded buffer (it stays unsharded until the end of backward), with
   FULL_SHARD the current unit's and the prefetched one's (the limiter lets two all-gathers be
-  in flight), with SHARD_GRAD_OP every unit's so far; the whole activation term;
+  in flight), with SHARD_GRAD_OP every unit's so far; the activations at their highest in forward;
 - each unit's backward, in reverse order, at three points (the scheduler's order: a unit's
   post-backward completes the previous unit's reduction, reshards the unit's parameters, and only
   then makes its flat gradient):
@@ -178,11 +178,10 @@ def rank_memory(units: list[PlannedUnit], optimizer: str, offload_params: bool, 
 # per replicated one. Nothing on a GPU; on a CPU a few percent of a toy model's peak.
 RUNTIME_HOST_BYTES_PER_PARAM = {False: 1_860, True: 1_160}  # by whether the unit is replicated
 # A gloo process group's own host memory (its context, its connections' buffers): hybrid sharding's wrap makes two
-# (measured: 155-160 KB more per hybrid wrap than per FULL_SHARD one at W = 2 and 4). The rank guard's pair groups are
-# made once per process, not per wrap, and are not counted.
+# (measured: 155-160 KB more per hybrid wrap than per FULL_SHARD one at W = 2 and 4).
 GLOO_GROUP_HOST_BYTES = 80_000
-# What gloo keeps per peer of the shard group after flatshard's first collectives over it (its per-connection buffers):
-# measured 40 KB at W = 2 and 120 KB at W = 4 beyond the rest of ``runtime_host``.
+# Every wrap's rank guard makes a gloo group of its ranks (for its descriptions) and its links: measured 40 KB per peer
+# (40 KB at W = 2, 120 KB at W = 4) beyond the rest of ``runtime_host``.
 GLOO_BYTES_PER_PEER = 40_000
 
 
@@ -202,12 +201,16 @@ class _Timeline:
         self.autograd = [_autograd_grad_bytes(u) for u in others]
         self.flat = [_flat_grad_bytes(u) for u in others]
         if isinstance(activations, ActivationProfile):
-            self.acts = activations.at_units([u.param_names for u in others], on_host=on_host)
+            self.acts = activations.at_units([u.param_names if u.trainable_numel else () for u in others],
+                                             on_host=on_host)
         else:
             self.acts = UnitActivations.even(activations or 0, self.autograd)
         self.forward_activations = self.acts.forward
-        self.root = sum(_unsharded_bytes(u, copies_to_device) + _autograd_grad_bytes(u) + _flat_grad_bytes(u)
-                        + _cast_bytes(u) for u in roots)
+        # The root: unsharded and its autograd gradients appearing through backward (counted whole); its flat gradient,
+        # cast and reduction at its own post-backward, the last point.
+        self.root = sum(_unsharded_bytes(u, copies_to_device) + _autograd_grad_bytes(u) for u in roots)
+        self.root_post = sum(_autograd_grad_bytes(u) + _flat_grad_bytes(u) + _cast_bytes(u) + _shard_output_bytes(u)
+                             for u in roots)
         self.root_forward = sum(_unsharded_bytes(u, copies_to_device) for u in roots)
         self.buffers = [_unsharded_bytes(u, copies_to_device) for u in others]
         gloo = backend == "gloo"
@@ -226,7 +229,14 @@ class _Timeline:
         self.cast = [_cast_bytes(u) for u in others]
         # the backend's scratch appears as the unit's reduction starts (its input is the flat gradient, or the cast)
         self.reducing_scratch = [_reduction_bytes(u, backend, group_size, scratch_only=True) for u in others]
-        self.root_reducing = sum(_reduction_bytes(u, backend, group_size) for u in roots)
+        self.root_scratch = sum(_reduction_bytes(u, backend, group_size, scratch_only=True) for u in roots)
+        # A frozen unit's post-backward completes nothing: the reduction in flight is the last trainable unit's.
+        self.pending = [0] * (self.n + 1)
+        for i in reversed(range(self.n)):
+            self.pending[i] = self.reducing[i + 1] if others[i + 1:i + 2] and others[i + 1].trainable_numel \
+                else self.pending[i + 1]
+        self.trainable = [bool(u.trainable_numel) for u in others]
+        self.shard_out = [_shard_output_bytes(u) for u in others]
         self.resharding = any(u.reshard_after_forward for u in others)
         # Across no_sync() micro-batches every unit holds its unsharded gradient (a replicated unit's too).
         self.held = [_unsharded_grad_bytes(u) if no_sync else 0 for u in others]
@@ -256,16 +266,21 @@ class _Timeline:
             reduced = sum(self.shards[i + 1:]) if grads_on_device else 0  # units after i reduced already
             # what earlier micro-batches left unreduced (unit i's own gradient accumulates into it)
             held = sum(self.held[:i + 1]) + self.root_held
-            base = self.root + b[i] + before + self.reducing[i + 1] + reduced + held
+            base = self.root + b[i] + before + self.pending[i] + reduced + held
             points.append((base + scratch, self.acts.starting[i]))
             grads, acts = self.acts.computing[i]
             points.append((base + grads + (scratch if self.copy_outlives_call else 0), acts))
-            # post-backward: the previous reduction completed, the parameters resharded, then the flat gradient
-            points.append((self.root + before + reduced + held - self.held[i] + max(self.held[i], self.flat[i])
-                           + self.autograd[i] + self.cast[i] + self.reducing_scratch[i]
-                           + (scratch if self.copy_outlives_call else 0), self.acts.left[i]))
+            # post-backward: the previous reduction completed (not by a frozen unit), the parameters resharded, then the
+            # flat gradient, its cast, the reduction's output shard and scratch
+            post = (self.root + before + reduced + held + (scratch if self.copy_outlives_call else 0)
+                    + (0 if self.trainable[i] else self.pending[i]))
+            if self.trainable[i]:
+                post += (max(self.held[i], self.flat[i]) - self.held[i] + self.autograd[i] + self.cast[i]
+                         + self.shard_out[i] + self.reducing_scratch[i])
+            points.append((post, self.acts.left[i]))
         reduced = sum(self.shards) if grads_on_device else 0
-        points.append((self.root + self.root_reducing + self.reducing[0] + reduced, self.acts.after))
+        # the root's post-backward: the last unit's reduction completed, the root resharded, its flat gradient made
+        points.append((self.root_post + self.root_scratch + reduced + self.root_held, self.acts.after))
         return points
 
     def backward(self, grads_on_device: bool) -> int:
@@ -333,9 +348,14 @@ def _autograd_grad_bytes(unit: PlannedUnit) -> int:
 
 
 def _flat_grad_bytes(unit: PlannedUnit) -> int:
-    """The unsharded flat gradient a sharded unit's post-backward makes (a replicated unit's becomes the shard's
-    gradient itself)."""
-    return 0 if unit.replicated or not unit.trainable_numel else unit.layout.padded_numel * _size(unit.param_dtype)
+    """The unsharded flat gradient a unit's post-backward makes from autograd's (a replicated unit's becomes its
+    shard's gradient)."""
+    return 0 if not unit.trainable_numel else unit.layout.padded_numel * _size(unit.param_dtype)
+
+
+def _shard_output_bytes(unit: PlannedUnit) -> int:
+    """The gradient shard a sharded unit's reduction writes (``reduce_dtype``), beside its input."""
+    return 0 if unit.replicated or not unit.trainable_numel else unit.layout.shard_numel * _size(unit.reduce_dtype)
 
 
 def _cast_bytes(unit: PlannedUnit) -> int:

@@ -29,7 +29,9 @@ backward's in reverse. Then one step is played on two queues:
 The optimizer's step is scaled to the elements it steps: the rank's shards.
 The rank guard's two exchanges per step, before the forward and the backward, are log2(W)
 rounds each of a two-rank swap of 128 bytes (two more when W is not a power of two: [Note: The
-guard's exchange in log W rounds]), each round a collective of two ranks. Exposed communication is the step
+guard's exchange in log W rounds]), each round a round trip over the guard's own links ([Note:
+The guard's links]), modelled as a two-rank collective of the network (an upper bound: no
+backend's queue between the training threads). Exposed communication is the step
 less the compute. Defaults: ``NVLINK`` and ``INFINIBAND``
 below, with their sources; ``Network(...)`` for your own (or measured: ``benchmarks/plan_timing.py``
 fits gloo's on this machine).
@@ -171,8 +173,9 @@ def step_time(units: list[PlannedUnit], shard_group: int, replicate_group: int, 
     total_compute = forward + backward + optimizer
     if not overlap:
         step = total_compute + communication
-    else:
-        step = _played(units, collectives, forward, backward) + guard + optimizer
+    else:  # (the bytes' time on the compute's cores is compute: it overlaps nothing)
+        step = (_played(units, collectives, forward, backward) + guard + optimizer
+                + per_kind.get("transfer_on_compute_cores", 0.0))
     return StepTime(compute=total_compute, communication=communication,
                     exposed_communication=max(0.0, step - total_compute), step=step, per_kind=per_kind,
                     network=network.name, overlap=overlap)
