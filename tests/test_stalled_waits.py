@@ -67,6 +67,16 @@ def _skips_after_forward_raised(rank, world_size, where):
             except _BadBatch:
                 opt.zero_grad()
                 continue  # skip the batch: on this rank only
+    # A loop that catches divergences to skip the batch goes on: the group is given up, so the next step refuses at
+    # once (no collective issued), with its own type, naming the first error.
+    from flatshard import ProcessGroupGivenUpError
+
+    refused = time.monotonic()
+    with pytest.raises(ProcessGroupGivenUpError, match=r"cannot run forward \d+ with grad of GPT \(the model wrapped "
+                                                       r"1st\): its process group was given up .* rank 1 left"):
+        _step(model, opt, 3, rank, world_size)
+    assert time.monotonic() - refused < 1.0
+    assert not issubclass(ProcessGroupGivenUpError, RankDivergenceError)
     abandon_group()
     message = str(caught.value)
     # Every rank names rank 1 as the one that left the step, and where, and the collective a peer waits for in
@@ -84,6 +94,39 @@ def _skips_after_forward_raised(rank, world_size, where):
 def test_a_rank_that_skips_a_batch_alone_fails_every_rank_fast(where, world_size):
     seconds = run_distributed(_skips_after_forward_raised, world_size, where, timeout=DEADLINE)
     assert max(seconds) < 15, seconds
+
+
+def _ctrl_c_in_a_stalled_wait(rank, world_size):
+    """Rank 1 is slow inside its forward (a hook sleeps); rank 0 waits in that forward's all-gather, inside the
+    runtime's C++ wait, and the user presses Ctrl-C there: rank 0 gets its KeyboardInterrupt within a slice of the
+    stall watch (a second), not a backend error, not a wait that goes on; its process ends, and rank 1 is told that
+    rank 0 is gone."""
+    import threading
+
+    from flatshard import RankDivergenceError
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    block = model.blocks[1].module if hasattr(model.blocks[1], "module") else model.blocks[1]
+    if rank == 1:
+        handle = block.register_forward_pre_hook(lambda *_: time.sleep(6))
+        with pytest.raises(RankDivergenceError, match=r"rank 0 is gone \(its connection closed"):
+            _step(model, opt, 1, rank, world_size)
+        handle.remove()
+        abandon_group()
+        return None
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _step(model, opt, 1, rank, world_size)
+    abandon_group()
+    return time.monotonic() - start
+
+
+def test_ctrl_c_ends_a_stalled_wait():
+    seconds = run_distributed(_ctrl_c_in_a_stalled_wait, 2, timeout=DEADLINE)
+    assert 2.0 <= seconds[0] < 3.5, seconds
 
 
 def _two_models_in_different_orders(rank, world_size):

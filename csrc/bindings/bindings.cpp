@@ -219,6 +219,13 @@ PYBIND11_MODULE(_C, m) {
   // The one error type of the rank-divergence guard, raised by Python's checks and by the strict
   // sequence check here (flatshard.RankDivergenceError is this class).
   py::register_exception<flatshard::RankDivergence>(m, "RankDivergenceError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const flatshard::Interrupted& e) {
+      PyErr_SetNone(e.exit() ? PyExc_SystemExit : PyExc_KeyboardInterrupt);
+    }
+  });
   m.def("unsharded_bytes", &flatshard::MemoryCounter::unsharded_bytes,
         "Bytes of unsharded buffers alive in this process.");
   m.def("peak_unsharded_bytes", &flatshard::MemoryCounter::peak_unsharded_bytes,
@@ -257,6 +264,9 @@ PYBIND11_MODULE(_C, m) {
               try {
                 return (*held)(what, waited, error).cast<std::string>();
               } catch (py::error_already_set& e) {
+                // Ctrl-C (or sys.exit) while a wait stalls: it ends the wait, as it would any Python wait.
+                if (e.matches(PyExc_KeyboardInterrupt)) throw flatshard::Interrupted(false);
+                if (e.matches(PyExc_SystemExit)) throw flatshard::Interrupted(true);
                 e.discard_as_unraisable("flatshard's stall hook");
                 return "";
               }

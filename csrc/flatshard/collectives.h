@@ -32,6 +32,18 @@ class RankDivergence : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Ctrl-C (KeyboardInterrupt) or sys.exit() raised in the stall hook while a wait stalls: the wait
+// ends and Python sees that exception itself (the bindings translate it back), not a backend error.
+class Interrupted : public std::exception {
+ public:
+  explicit Interrupted(bool exit) : exit_(exit) {}
+  bool exit() const { return exit_; }
+  const char* what() const noexcept override { return exit_ ? "SystemExit" : "KeyboardInterrupt"; }
+
+ private:
+  bool exit_;
+};
+
 // [Note: Stalled waits]
 // A host wait on a collective that has not completed after `first_seconds` calls the stall hook
 // (set from Python: python/flatshard/_stall_watch.py), then again every `every_seconds`, with

@@ -27,6 +27,8 @@ void wait_for(CommWork& work, const FlatParam& unit, const std::string& what) {
     work.wait("the " + what + " of unit '" + (unit.name().empty() ? "<root>" : unit.name()) + "'");
   } catch (const RankDivergence&) {
     throw;  // a stalled wait's verdict (see [Note: Stalled waits]), as it is
+  } catch (const Interrupted&) {
+    throw;  // Ctrl-C while it stalled
   } catch (const c10::DistBackendError& e) {
     C10_THROW_ERROR(DistBackendError, "flatshard: the " + what + " of unit '" +
                                           (unit.name().empty() ? "<root>" : unit.name()) + "' failed: " +

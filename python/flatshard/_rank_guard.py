@@ -238,6 +238,7 @@ class RankGuard:
         with torch.inference_mode(False):
             self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
         doing = self._doing(phase, grad)
+        _stall_watch.refuse_if_given_up(f"run {doing} of {self.label}")
         _stall_watch.enter(self, self.label, phase, self.forwards + (phase == "forward"))
         try:
             with collective_range(f"rank_guard exchange ({phase})"), torch.inference_mode(False):

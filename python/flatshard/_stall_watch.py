@@ -31,7 +31,11 @@ slowness:
   prints the reason, and its collective fails when the raising rank's process ends.
 A rank that reaches a verdict raises RankDivergenceError and marks the group poisoned in the
 store (its collectives will never pair again); every rank waiting anywhere sees the mark at
-its next look and raises too, with the first rank's explanation. A peer whose connection
+its next look and raises too, with the first rank's explanation. Unlike the guard's errors
+this one is not recoverable: a process that raised it refuses every later forward, backward
+or state-dict call of its models with ProcessGroupGivenUpError (a RuntimeError, not a
+RankDivergenceError, so that a loop catching divergences to skip a batch ends), which names
+the first error, rather than issue collectives that would pair with the abandoned ones. A peer whose connection
 closed (its process died) is named by a roll call: the ranks that answer within
 ROLL_CALL_SECONDS are alive, the others are gone.
 
@@ -70,11 +74,18 @@ _GIVEN_UP = ("The process group now holds collectives that will never pair: end 
 _ORDER = {"forward": 0, "backward": 1}  # other phases (state_dict() and the like) come after both
 
 
+class ProcessGroupGivenUpError(RuntimeError):
+    """This process's group was given up (a stalled wait's verdict): no flatshard collective can run on it again.
+    Not a RankDivergenceError, so that a loop that catches divergences to skip a batch stops here."""
+
+
 class _Watch:
     """This process's publication (one per process: a rank is in one place at a time)."""
 
     def __init__(self) -> None:
         self.store: Any = None
+        self.default_store: Any = None  # the default group's store it was made for (a new group: a new watch)
+        self.given_up: str | None = None  # the verdict this process raised or saw first
         self.rank = -1
         self.position: dict[str, Any] = {}
         self.abandoned: str | None = None
@@ -96,8 +107,12 @@ def attach(guard: RankGuard) -> None:
     """Called when a root's guard is made (collective-free): the store, this rank's key, the C++ hook."""
     if guard.simulated or guard.group is None:
         return
+    default_store = dist.distributed_c10d._get_default_store()
+    if _watch.active and _watch.default_store is not default_store:  # the job made its process group anew
+        _reset()
     if not _watch.active:
-        _watch.store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
+        _watch.default_store = default_store
+        _watch.store = dist.PrefixStore(_PREFIX, default_store)
         _watch.rank = dist.get_rank()
         _C.set_stall_hook(_on_stall, FIRST_SECONDS, EVERY_SECONDS)
         _watch.store.set(f"beat/{_watch.rank}", _beat())
@@ -105,6 +120,30 @@ def attach(guard: RankGuard) -> None:
         _watch.heart.start()
         atexit.register(_stop_heartbeat)
     _publish({})  # (every rank's key exists from here on: peers read them all at once)
+
+
+def _reset() -> None:
+    """Forgets the watch of a process group that is gone (destroyed; a new one is made)."""
+    global _watch
+    _stop_heartbeat()
+    _C.set_stall_hook(None)
+    _watch = _Watch()
+
+
+def _given_up(verdict: str) -> str:
+    """Notes ``verdict`` (if any) as the reason this process's group was given up; returns it."""
+    if verdict and _watch.given_up is None:
+        _watch.given_up = verdict
+    return verdict
+
+
+def refuse_if_given_up(doing: str) -> None:
+    """Raises ProcessGroupGivenUpError if this process's group was given up (see the Note)."""
+    if _watch.given_up is not None:
+        raise ProcessGroupGivenUpError(
+            f"flatshard: rank {_watch.rank} cannot {doing}: its process group was given up when a wait could never "
+            f"complete, and holds collectives that will never pair. The first error: "
+            f"{_watch.given_up.splitlines()[0][:600]}")
 
 
 def enter(guard: RankGuard, label: str, phase: str, step: int) -> None:
@@ -134,7 +173,7 @@ def wait(ready: Callable[[float], bool], what: str) -> None:
             _watch.suspect = None  # (a new wait: nothing seen yet)
         waited += slice_
         slice_ = EVERY_SECONDS
-        verdict = _look(what, waited, waiting="guard")
+        verdict = _given_up(_look(what, waited, waiting="guard"))
         if verdict:
             raise _C.RankDivergenceError(verdict)
 
@@ -144,7 +183,7 @@ def _on_stall(what: str, waited: float, error: str) -> str:
     try:
         if error:
             return failed(what, error)
-        return _look(what, waited, waiting="collective")
+        return _given_up(_look(what, waited, waiting="collective"))
     except Exception:  # noqa: BLE001 (a failed look must not turn into an error of the wait)
         return ""
 
@@ -155,9 +194,9 @@ def failed(what: str, error: str) -> str:
     if not _watch.active:
         return ""
     try:
-        return _failed(what, error)
+        return _given_up(_failed(what, error))
     except Exception as store_error:  # noqa: BLE001 (the store is unreachable: its host ended)
-        return (f"flatshard: rank {_watch.rank}'s wait for {what} failed ({error.splitlines()[0][:300]}), and the "
+        return _given_up(f"flatshard: rank {_watch.rank}'s wait for {what} failed ({error.splitlines()[0][:300]}), and the "
                 f"job's store is unreachable too ({str(store_error).splitlines()[0][:200]}): the process that hosts "
                 f"it (rank 0, unless torchrun's agent hosts it) has ended. {_GIVEN_UP}")
 
