@@ -218,3 +218,51 @@ def _state_dict_on_rank_0_only(rank, world_size):
 def test_state_dict_on_one_rank_fails_fast():
     seconds = run_distributed(_state_dict_on_rank_0_only, 2, timeout=DEADLINE)
     assert max(seconds) < 15, seconds
+
+
+def _slow_but_healthy(rank, world_size):
+    """Rank 1 is slow, not gone: it sleeps before the step (its peer waits in the guard's exchange), inside the
+    forward of a block (its peer waits in an all-gather) and at that block's backward (in a reduction or a
+    prefetch), each for longer than the stall watch's first look. No verdict may come of it: both ranks finish
+    the step, with the losses of a run that was not slowed, and rank 0 waited the whole time."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        block = model.blocks[1].module if hasattr(model.blocks[1], "module") else model.blocks[1]
+        handles = []
+        if step == 1 and rank == 1:
+            time.sleep(4)
+            handles = [block.register_forward_pre_hook(lambda *_: time.sleep(3)),
+                       block.register_full_backward_pre_hook(lambda *_: time.sleep(3))]
+        start = time.monotonic()
+        loss = gpt_loss(model, *local_slice(make_batch(seed=step), rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for h in handles:
+            h.remove()
+        losses.append((loss.item(), time.monotonic() - start))
+    return losses
+
+
+def _not_slowed(rank, world_size):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        loss = gpt_loss(model, *local_slice(make_batch(seed=step), rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_slow_rank_is_waited_for_not_called_gone():
+    slowed = run_distributed(_slow_but_healthy, 2, timeout=DEADLINE)
+    plain = run_distributed(_not_slowed, 2, timeout=DEADLINE)
+    for rank in range(2):
+        assert [loss for loss, _ in slowed[rank]] == pytest.approx(plain[rank], rel=1e-6, abs=1e-7), (slowed, plain)
+    # Rank 0 waited for the 4 s before the step (in the guard) and both 3 s sleeps (in collectives) of step 1.
+    assert slowed[0][1][1] >= 9.5, slowed
