@@ -13,6 +13,7 @@ configs is checked against totals computed by hand here, and must run in under 1
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -256,6 +257,56 @@ def test_activation_profile_maps_onto_units_in_any_order():
     assert acts.computing[2] == (0, 95) and acts.left[2] == 10 and acts.left[:2] == [20, 20] and acts.after == 20
     with pytest.raises(ValueError, match=r"no gradient of the unit holding '_orig_mod.b0.w'"):
         profile.at_units([["_orig_mod.b0.w"]])
+
+
+def test_activation_profile_counts_gradients_from_their_allocation():
+    """A layer's weight gradient is computed (with its kernel's scratch) before autograd hands the layer's bias
+    gradient to ``.grad``: the profile counts a gradient from the segment its memory was allocated in, at the moment
+    the segment holds the most (``segment_peaks``), not from its mark."""
+    from flatshard.plan import ActivationProfile
+
+    # backward order: b1.b, b1.w (allocated in b1.b's segment 0), b0.w
+    base = dict(peak=60, forward=50, grad_order=("b1.b", "b1.w", "b0.w"), grad_bytes=(1, 10, 4),
+                segments=(50, 40, 30, 20), at_grads=(40, 35, 20), backward_start=45)
+    marked = ActivationProfile(**base).at_units([["b0.w"], ["b1.w", "b1.b"]])
+    assert marked.computing == [(4, 30), (1, 50)]  # b1.w's 10 bytes only from its mark on
+    made = ActivationProfile(**base, grad_made=(0, 0, 2), segment_peaks=((45, 11), (40, 0), (28, 4), (20, 0)))
+    acts = made.at_units([["b0.w"], ["b1.w", "b1.b"]])
+    # b1: at segment 0's worst both its gradients exist beside 45 bytes of activations (56 > 50 + 1); b0: 28 + 4
+    assert acts.computing == [(4, 28), (11, 45)]
+    # on the host the activations scale, the gradients do not
+    scaled = dataclasses.replace(made, host_scale=2.0).at_units([["b0.w"], ["b1.w", "b1.b"]], on_host=True)
+    assert scaled.computing == [(0, 60), (11, 90)]  # (b0: 0 + 60 ties 4 + 56)
+
+
+def test_activation_profile_counts_a_kernels_own_memory_on_a_cpu():
+    """[Note: Kernel scratch on a CPU]: a kernel that works in 4 MB of ``malloc``'d memory the profiler never sees
+    (an op of the test's, as a bf16 matrix product on a CPU without AVX512-BF16 is of torch's) is in the profile's
+    peak, at its call; the same op without the scratch adds nothing."""
+    import ctypes
+
+    from flatshard.plan import profile_activations
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    scratch = {"bytes": 0}
+
+    @torch.library.custom_op("flatshard_test::doubled_with_scratch", mutates_args=())
+    def doubled_with_scratch(x: torch.Tensor) -> torch.Tensor:
+        n = scratch["bytes"]
+        if n:
+            ptr = libc.malloc(ctypes.c_size_t(n))
+            ctypes.memset(ptr, 1, n)
+            libc.free(ctypes.c_void_p(ptr))
+        return x * 2
+
+    doubled_with_scratch.register_autograd(lambda ctx, grad: grad * 2)
+    lin = torch.nn.Linear(64, 64)
+    without = profile_activations(lin, lambda m: doubled_with_scratch(m(torch.ones(16, 64))).sum())
+    scratch["bytes"] = 4 << 20  # (another batch: a call is measured once per process)
+    withit = profile_activations(lin, lambda m: doubled_with_scratch(m(torch.ones(17, 64))).sum())
+    assert 0.95 * (4 << 20) <= withit.peak - without.peak <= 1.05 * (4 << 20), (withit.peak, without.peak)
+    assert withit.forward - without.forward == withit.peak - without.peak
 
 
 def test_step_time_model():

@@ -26,7 +26,10 @@ and each block's as its backward ends (by a tenth for the tests' GPT under the f
 consecutive marks, the highest point of the non-gradient bytes. The plan maps each unit to its
 parameters' names: a unit's backward spans from the previous unit's last gradient (in backward
 order; the first from the start of backward) to its own last, and the activations it holds
-there are the highest point within that span; what comes after the last unit's (the root's
+there are the highest point within that span, beside the unit's gradients made by then (each
+counted from its allocation, not its mark: autograd computes a layer's weight gradient, and
+with it the kernel's scratch, before it hands the layer's bias gradient to ``.grad``, whose mark
+comes first); what comes after the last unit's (the root's
 own backward) is held at the root's reduction. Forward holds the highest point before backward
 starts. A bare number (``measure_activations``, the CLI's extrapolation) is spread evenly instead.
 
@@ -52,6 +55,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from flatshard.plan._kernel_scratch import MARK as SCRATCH_MARK
+from flatshard.plan._kernel_scratch import KernelScratch
+
 
 @dataclasses.dataclass(frozen=True)
 class ActivationProfile:
@@ -69,6 +75,12 @@ class ActivationProfile:
     # On a CPU: the host memory a forward holds (autograd's graph included) over its tensors' bytes, else 1
     # (see [Note: The autograd graph in host memory])
     host_scale: float = 1.0
+    # grad_made[k]: the segment in which gradient grad_order[k]'s memory was allocated (autograd computes a layer's
+    # gradients before it hands them to .grad one by one: a weight's may be made in its bias's segment); () for k
+    grad_made: tuple[int, ...] = ()
+    # segment_peaks[k]: (non-gradient bytes, gradient bytes allocated within segment k) at the moment in segment k
+    # where they add up to the most; () in a profile without them
+    segment_peaks: tuple[tuple[int, int], ...] = ()
 
     def at_units(self, unit_params: Sequence[Sequence[str]], on_host: bool = False) -> "UnitActivations":
         """Where the activations are held, for units given in forward order by their parameters' names (the root's
@@ -79,6 +91,7 @@ class ActivationProfile:
 
             return dataclasses.replace(self, forward=int(self.forward * self.host_scale), segments=scaled(self.segments),
                                        at_grads=scaled(self.at_grads), host_scale=1.0,
+                                       segment_peaks=tuple((int(a * self.host_scale), g) for a, g in self.segment_peaks),
                                        backward_start=int(self.backward_start * self.host_scale)).at_units(unit_params)
         position = {name: k for k, name in enumerate(self.grad_order)}
         n = len(unit_params)
@@ -93,10 +106,17 @@ class ActivationProfile:
             # (a unit whose gradients all came before the units after it in backward order: none of its own here)
             own = {position[name] for name in unit_params[i] if position.get(name, -1) >= start}
             end = max([start, *own])
+            made = [0] * (end + 1)  # the unit's gradient bytes allocated in each segment (counted from there on)
+            for k in own:
+                made[max(start, min(k, self.grad_made[k] if self.grad_made else k))] += self.grad_bytes[k]
             grads, worst = 0, (0, 0)
             for k in range(start, end + 1):
-                grads += self.grad_bytes[k] if k in own else 0  # (made within segment k: counted through it)
-                worst = max(worst, (grads, self.segments[k]), key=sum)
+                if self.segment_peaks:  # the gradients made before segment k, and what segment k holds at its worst
+                    acts, fresh = self.segment_peaks[k]
+                    worst = max(worst, (grads, self.segments[k]), (grads + fresh, acts), key=sum)
+                else:  # (gradients made within segment k counted through it)
+                    worst = max(worst, (grads + made[k], self.segments[k]), key=sum)
+                grads += made[k]
             out.starting[i] = self.at_grads[start - 1] if start else self.backward_start
             out.computing[i] = worst
             out.left[i] = self.at_grads[end] if own else self.segments[start]
@@ -164,7 +184,13 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
         with torch.profiler.record_function(_BACKWARD_MARK):
             loss.backward()
 
-    step()
+    # On a CPU the first step also measures what kernels hold besides tensors ([Note: Kernel scratch on a CPU]).
+    scratch = KernelScratch() if device.type == "cpu" else None
+    if scratch is not None and scratch.available:
+        with scratch.measuring():
+            step()
+    else:
+        step()
     model.zero_grad(set_to_none=True)
     host_forward = _host_bytes_of_forward(model, loss_fn) if device.type == "cpu" else None
 
@@ -176,11 +202,18 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
 
     handles = [p.register_post_accumulate_grad_hook(mark(name)) for name, p in named.items() if p.requires_grad]
     try:
-        events = _allocations(step, device)
+        if scratch is not None and scratch.available and any(scratch.bytes.values()):
+            def marked_step() -> None:
+                with scratch.marking():
+                    step()
+            events = _allocations(marked_step, device)
+        else:
+            events = _allocations(step, device)
     finally:
         for handle in handles:
             handle.remove()
-    grads = {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
+    grad_at = {name: p.grad.untyped_storage().data_ptr() for name, p in named.items() if p.grad is not None}
+    grads = set(grad_at.values())
     model.zero_grad(set_to_none=True)
     # The last allocation at a gradient's address is that gradient's (autograd hands its result to .grad).
     last_at = {ptr: i for i, (ptr, size, _) in enumerate(events) if size > 0}
@@ -191,27 +224,47 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
     order: list[str] = []
     segments: list[int] = []
     at_grads: list[int] = []
+    made_in: dict[int, int] = {}  # a gradient's address: the segment its memory was allocated in
+    fresh = 0  # gradient bytes allocated in this segment so far
+    worst = (0, 0)  # this segment's (non-gradient bytes, fresh) where they add up to the most
+    peaks: list[tuple[int, int]] = []
     for i, (ptr, size, name) in enumerate(events):
         if name == _BACKWARD_MARK:
             in_backward, high, forward_end = True, current, current
+            worst = (current, 0)
+        elif name is not None and name.startswith(SCRATCH_MARK):  # a kernel's own memory, for its call
+            during = current + int(name[len(SCRATCH_MARK):])
+            peak, high = max(peak, during), max(high, during)
+            worst = max(worst, (during, fresh), key=sum)
+            if not in_backward:
+                forward = max(forward, during)
         elif name is not None:
             order.append(name.removeprefix(_GRAD_MARK))
             segments.append(high)
+            peaks.append(worst)
             at_grads.append(current)
-            high = current
-        elif size > 0 and i not in grad_events:
+            high, fresh, worst = current, 0, (current, 0)
+        elif size > 0 and i in grad_events:
+            made_in[ptr] = len(order)
+            fresh += size
+            worst = max(worst, (current, fresh), key=sum)
+        elif size > 0:
             live[ptr] = size
             current += size
             peak = max(peak, current)
             high = max(high, current)
+            worst = max(worst, (current, fresh), key=sum)
             if not in_backward:
                 forward = max(forward, current)
         elif size < 0:
             current -= live.pop(ptr, 0)  # (what was allocated before the step is not counted)
     segments.append(high)
+    peaks.append(worst)
     return ActivationProfile(peak=peak, forward=forward, grad_order=tuple(order),
                              grad_bytes=tuple(named[n].numel() * named[n].element_size() for n in order),
                              segments=tuple(segments), at_grads=tuple(at_grads), backward_start=forward_end,
+                             grad_made=tuple(min(k, made_in.get(grad_at.get(n, -1), k)) for k, n in enumerate(order)),
+                             segment_peaks=tuple(peaks),
                              host_scale=max(1.0, host_forward / forward_end) if host_forward and forward_end else 1.0)
 
 
@@ -262,7 +315,7 @@ def _allocations(step: Callable[[], None], device: torch.device) -> list[tuple[i
         fields = event.extra_fields
         if event.tag == _EventType.Allocation and fields.device.type == device.type:
             events.append((event.start_time_ns, fields.id, fields.ptr, fields.alloc_size, None))
-        elif event.name.startswith((_GRAD_MARK, _BACKWARD_MARK)):
+        elif event.name.startswith((_GRAD_MARK, _BACKWARD_MARK, SCRATCH_MARK)):
             events.append((event.start_time_ns, -1, 0, 0, event.name))
         pending.extend(event.children)
     events.sort(key=lambda a: (a[0], a[1]))
