@@ -1,7 +1,7 @@
 """The rank guard's two-rank links: a TCP connection per partner, written and read on the training thread.
 
 [Note: The guard's links]
-Each round of the guard's exchange ([Note: The guard's exchange in log W rounds]) swaps 256
+Each round of the guard's exchange ([Note: The guard's exchange in log W rounds]) swaps 128
 bytes with one partner. Over a two-rank gloo group that swap is a collective: the training
 thread hands it to gloo's worker thread, which sends it; the partner's worker receives it and
 wakes the partner's training thread. Each hand-off needs a core; where the ranks outnumber the
@@ -67,14 +67,11 @@ class SocketLink:
         self._sock = sock
         self._timeout = timeout.total_seconds()
 
-    def swap(self, outgoing: torch.Tensor, incoming: torch.Tensor, wait: Callable[[Callable[[float], bool]], None]
-             ) -> None:
-        """Sends ``outgoing``'s bytes and reads the partner's as many into ``incoming``'s second half (slot 1 of
-        the pair buffer, as a two-rank all-gather lays them: see ``swap``'s callers), waiting through ``wait``."""
-        data = outgoing.numpy().tobytes()
-        view = memoryview(incoming.numpy()).cast("B")
+    def swap(self, outgoing: bytes, wait: Callable[[Callable[[float], bool]], None]) -> bytes:
+        """Sends ``outgoing`` and returns as many bytes read from the partner, waiting through ``wait``."""
+        view = memoryview(bytearray(len(outgoing)))
         try:
-            self._sock.sendall(data)
+            self._sock.sendall(outgoing)
         except OSError as e:
             raise LinkClosed(f"Connection closed by peer ({e})") from e
         got = 0
@@ -102,6 +99,7 @@ class SocketLink:
             return True
 
         wait(ready)
+        return view.tobytes()
 
     def close(self) -> None:
         try:
@@ -118,12 +116,14 @@ class GlooLink:
         self._slot = slot
         self._buffer: torch.Tensor | None = None
 
-    def swap(self, outgoing: torch.Tensor, incoming: torch.Tensor, wait: Callable[[Callable[[float], bool]], None]
-             ) -> None:
-        n = outgoing.numel()
+    def swap(self, outgoing: bytes, wait: Callable[[Callable[[float], bool]], None]) -> bytes:
+        n = len(outgoing)
         if self._buffer is None or self._buffer.numel() != 2 * n:
-            self._buffer = torch.zeros(2 * n, dtype=outgoing.dtype)
-        work = self._group._allgather_base(self._buffer, outgoing.reshape(-1))
+            with torch.inference_mode(False):  # (a first check under inference_mode must not make an inference tensor)
+                self._buffer = torch.zeros(2 * n, dtype=torch.uint8)
+        with torch.inference_mode(False):
+            mine = torch.frombuffer(bytearray(outgoing), dtype=torch.uint8)
+            work = self._group._allgather_base(self._buffer, mine)
 
         def ready(seconds: float) -> bool:
             try:
@@ -135,7 +135,7 @@ class GlooLink:
                 return False
 
         wait(ready)
-        incoming.copy_(self._buffer[(1 - self._slot) * n:(2 - self._slot) * n].view_as(incoming))
+        return self._buffer[(1 - self._slot) * n:(2 - self._slot) * n].numpy().tobytes()
 
     def close(self) -> None:
         pass

@@ -47,8 +47,9 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import struct
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,7 @@ ENV = "FLATSHARD_RANK_GUARD"
 _PHASES = ["forward", "backward", "state_dict()", "load_state_dict()", "summon_full_params()",
            "clip_grad_norm_()", "optim_state_dict()", "optim_state_dict_to_load()"]
 _WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), reserved (2)
+_PAIR = struct.Struct(f"<{2 * _WIDTH}q")  # a round's message: the minimum and the maximum so far
 
 
 # [Note: Recovering from a divergence]
@@ -185,11 +187,6 @@ class RankGuard:
                           _guard_group(self.key, self.ranks, group_timeout(top.process_group)))
         self.forwards = 0
         self._model: tuple[list[int], list[Any]] | None = None
-        with torch.inference_mode(False):  # (a first forward under inference_mode must not make these inference tensors)
-            self._mine = torch.zeros(_WIDTH, dtype=torch.int64)
-            self._both = torch.zeros(2, _WIDTH, dtype=torch.int64)  # the minimum and maximum so far
-            self._outgoing = torch.zeros(2, _WIDTH, dtype=torch.int64)
-            self._theirs = torch.zeros(2, _WIDTH, dtype=torch.int64)
         self._links: list[Any] = []
         self._rounds = [] if self.simulated or len(self.ranks) < 2 else self._pair_rounds(
             group_timeout(top.process_group))
@@ -235,14 +232,13 @@ class RankGuard:
         grad = torch.is_grad_enabled() if phase in ("forward", "backward") else False
         no_sync = not root.unit._unit_state.sync_gradients
         words, description = self._model_fingerprint(root)
-        with torch.inference_mode(False):
-            self._mine.copy_(torch.tensor([_PHASES.index(phase), self.forwards, grad, no_sync, *words, 0, 0]))
+        mine = (_PHASES.index(phase), self.forwards, int(grad), int(no_sync), *words, 0, 0)
         doing = self._doing(phase, grad)
         _stall_watch.refuse_if_given_up(f"run {doing} of {self.label}")
         _stall_watch.enter(self, self.label, phase, self.forwards + (phase == "forward"))
         try:
-            with collective_range(f"rank_guard exchange ({phase})"), torch.inference_mode(False):
-                low, high = self._min_max(f"its peers before {doing} (the rank-divergence guard's exchange)")
+            with collective_range(f"rank_guard exchange ({phase})"):
+                low, high = self._min_max(mine, f"its peers before {doing} (the rank-divergence guard's exchange)")
         except RankDivergenceError:
             raise
         except RuntimeError as e:
@@ -254,35 +250,36 @@ class RankGuard:
                 f"rank-divergence guard), and they did not all come within the group's timeout: a peer is stuck "
                 f"in other work (e.g. a collective this rank skipped, or a barrier), or has died. ({e})"
             ) from e
-        if torch.equal(low, high):
+        if low == high:
             return
-        mine = {"phase": phase, "doing": doing, "forwards": self.forwards, "grad": grad, "no_sync": no_sync,
-                "model": description}
-        message = _explain(self.ranks, _all_gather_objects(self.group, mine))
+        mine_readable = {"phase": phase, "doing": doing, "forwards": self.forwards, "grad": grad, "no_sync": no_sync,
+                         "model": description}
+        message = _explain(self.ranks, _all_gather_objects(self.group, mine_readable))
         # Every rank raises here, from the same maximum: they agree on the count from now on, so that a loop that
         # catches the error and skips the batch on every rank goes on (see [Note: Recovering from a divergence]).
-        self.forwards = int(high[1])
+        self.forwards = high[1]
         raise RankDivergenceError(message)
 
-    def _min_max(self, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The elementwise minimum and maximum of every rank's ``_mine`` (see [Note: The guard's exchange in log W
-        rounds]). Collective over the guard's pair groups."""
-        both = self._both
-        both[0].copy_(self._mine)
-        both[1].copy_(self._mine)
+    def _min_max(self, mine: tuple[int, ...], what: str) -> tuple[list[int], list[int]]:
+        """The elementwise minimum and maximum of every rank's fingerprint ``mine`` (see [Note: The guard's exchange
+        in log W rounds]), as Python ints packed into bytes (no tensor: a check is a few microseconds of Python
+        besides its round trips). Collective over the guard's links."""
+        low, high = list(mine), list(mine)
         if self.simulated:  # every simulated peer does what this rank does
-            return both[0], both[1]
-        theirs = self._theirs
+            return low, high
+
+        def wait(ready: Callable[[float], bool]) -> None:
+            _stall_watch.wait(ready, what)
+
         for kind, link in self._rounds:
-            self._outgoing.copy_(both)
-            link.swap(self._outgoing, theirs, lambda ready: _stall_watch.wait(ready, what))
+            theirs = _PAIR.unpack(link.swap(_PAIR.pack(*low, *high), wait))
             if kind == "combine":
-                torch.minimum(both[0], theirs[0], out=both[0])
-                torch.maximum(both[1], theirs[1], out=both[1])
+                low = [min(a, b) for a, b in zip(low, theirs[:_WIDTH])]
+                high = [max(a, b) for a, b in zip(high, theirs[_WIDTH:])]
             elif kind == "take":
-                both.copy_(theirs)
+                low, high = list(theirs[:_WIDTH]), list(theirs[_WIDTH:])
             # "give": the partner takes this rank's result
-        return both[0], both[1]
+        return low, high
 
     def counted_forward(self) -> None:
         self.forwards += 1
