@@ -261,22 +261,24 @@ def test_activation_profile_maps_onto_units_in_any_order():
 
 def test_activation_profile_counts_gradients_from_their_allocation():
     """A layer's weight gradient is computed (with its kernel's scratch) before autograd hands the layer's bias
-    gradient to ``.grad``: the profile counts a gradient from the segment its memory was allocated in, at the moment
-    the segment holds the most (``segment_peaks``), not from its mark."""
+    gradient to ``.grad``: a unit's own gradients count from their allocation (``grad_made``, ``segment_steps``), not
+    from their marks; one allocated before the unit's first segment from its start; another unit's (the root's
+    head) not at all; on the host the activations scale by ``host_scale``, a kernel's scratch does not."""
     from flatshard.plan import ActivationProfile
 
-    # backward order: b1.b, b1.w (allocated in b1.b's segment 0), b0.w
-    base = dict(peak=60, forward=50, grad_order=("b1.b", "b1.w", "b0.w"), grad_bytes=(1, 10, 4),
-                segments=(50, 40, 30, 20), at_grads=(40, 35, 20), backward_start=45)
-    marked = ActivationProfile(**base).at_units([["b0.w"], ["b1.w", "b1.b"]])
-    assert marked.computing == [(4, 30), (1, 50)]  # b1.w's 10 bytes only from its mark on
-    made = ActivationProfile(**base, grad_made=(0, 0, 2), segment_peaks=((45, 11), (40, 0), (28, 4), (20, 0)))
-    acts = made.at_units([["b0.w"], ["b1.w", "b1.b"]])
-    # b1: at segment 0's worst both its gradients exist beside 45 bytes of activations (56 > 50 + 1); b0: 28 + 4
-    assert acts.computing == [(4, 28), (11, 45)]
-    # on the host the activations scale, the gradients do not
-    scaled = dataclasses.replace(made, host_scale=2.0).at_units([["b0.w"], ["b1.w", "b1.b"]], on_host=True)
-    assert scaled.computing == [(0, 60), (11, 90)]  # (b0: 0 + 60 ties 4 + 56)
+    # backward order: head (the root's), b1.b, b1.w, b0.w; segments 0-4 around their marks
+    base = dict(peak=60, forward=50, grad_order=("head", "b1.b", "b1.w", "b0.w"), grad_bytes=(100, 1, 10, 4),
+                segments=(45, 40, 39, 30, 20), at_grads=(44, 40, 35, 20), backward_start=45)
+    units = [["b0.w"], ["b1.w", "b1.b"]]
+    marked = ActivationProfile(**base).at_units(units)
+    assert marked.computing == [(4, 30), (11, 39)]  # each gradient from its mark on
+    # allocated: head in segment 0, b1.b and b1.w in 1 (b1.w's kernel holding 8 of scratch then), b0.w in 2
+    steps = (((-1, 45, 0), (0, 44, 0)), ((-1, 40, 0), (1, 40, 0), (2, 42, 8)), ((-1, 39, 0), (3, 35, 0)),
+             ((-1, 30, 0),), ((-1, 20, 0),))
+    made = ActivationProfile(**base, grad_made=(0, 1, 1, 2), segment_steps=steps)
+    assert made.at_units(units).computing == [(4, 30), (11, 50)]
+    scaled = dataclasses.replace(made, host_scale=2.0).at_units(units, on_host=True)
+    assert scaled.computing == [(4, 60), (11, 92)]  # 2 x 42 + 8
 
 
 def test_activation_profile_counts_a_kernels_own_memory_on_a_cpu():

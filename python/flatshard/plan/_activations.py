@@ -40,9 +40,11 @@ the device, the tests' GPT holds 0.2 MB of it at the end of forward (a tenth of 
 activations in fp32, a fifth in bf16). So on a CPU the forward is also run once with glibc's
 count of bytes in use (``mallinfo2``) read before and after it; the profile keeps that count
 over the profiler's at the same point (``host_scale``), and a plan whose device is the host
-(``device="cpu"``) scales every figure of the profile by it (the graph's nodes are freed with
-the tensors they saved). The profile's own figures, and ``measure_activations``, are the
-tensors' alone. Where glibc is not the allocator, nothing is added.
+(``device="cpu"``) scales the tensors' figures of the profile by it (the graph's nodes are freed
+with the tensors they saved; not a kernel's scratch, [Note: Kernel scratch on a CPU], which is
+host memory already). The profile's own figures, and ``measure_activations``, are the tensors'
+(and, measured on a CPU, the kernels' scratch at their calls). Where glibc is not the allocator,
+nothing is added.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ class ActivationProfile:
     # grad_made[k]: the segment in which gradient grad_order[k]'s memory was allocated (autograd computes a layer's
     # gradients before it hands them to .grad one by one: a weight's may be made in its bias's segment); () for k
     grad_made: tuple[int, ...] = ()
-    # segment_peaks[k]: (non-gradient bytes, gradient bytes allocated within segment k) at the moment in segment k
-    # where they add up to the most; () in a profile without them
-    segment_peaks: tuple[tuple[int, int], ...] = ()
+    # segment_steps[k]: segment k cut at each gradient's allocation: per piece (the gradient allocated where it starts,
+    # as its index in grad_order, or -1 at the segment's start; then the non-gradient bytes and a kernel's scratch
+    # ([Note: Kernel scratch on a CPU]) at the piece's highest point); () in a profile without them
+    segment_steps: tuple[tuple[tuple[int, int, int], ...], ...] = ()
 
     def at_units(self, unit_params: Sequence[Sequence[str]], on_host: bool = False) -> "UnitActivations":
         """Where the activations are held, for units given in forward order by their parameters' names (the root's
@@ -91,7 +94,8 @@ class ActivationProfile:
 
             return dataclasses.replace(self, forward=int(self.forward * self.host_scale), segments=scaled(self.segments),
                                        at_grads=scaled(self.at_grads), host_scale=1.0,
-                                       segment_peaks=tuple((int(a * self.host_scale), g) for a, g in self.segment_peaks),
+                                       segment_steps=tuple(tuple((j, int(t * self.host_scale), x) for j, t, x in steps)
+                                                           for steps in self.segment_steps),
                                        backward_start=int(self.backward_start * self.host_scale)).at_units(unit_params)
         position = {name: k for k, name in enumerate(self.grad_order)}
         n = len(unit_params)
@@ -106,17 +110,19 @@ class ActivationProfile:
             # (a unit whose gradients all came before the units after it in backward order: none of its own here)
             own = {position[name] for name in unit_params[i] if position.get(name, -1) >= start}
             end = max([start, *own])
-            made = [0] * (end + 1)  # the unit's gradient bytes allocated in each segment (counted from there on)
-            for k in own:
-                made[max(start, min(k, self.grad_made[k] if self.grad_made else k))] += self.grad_bytes[k]
-            grads, worst = 0, (0, 0)
+            made = {k: min(k, self.grad_made[k]) if self.grad_made else k for k in own}  # the segment of allocation
+            # the unit's own gradients only (an earlier unit's, or the root's, are the plan's to count), each from its
+            # allocation on: those allocated before the unit's first segment are there from its start
+            grads, worst = sum(self.grad_bytes[k] for k in own if made[k] < start), (0, 0)
             for k in range(start, end + 1):
-                if self.segment_peaks:  # the gradients made before segment k, and what segment k holds at its worst
-                    acts, fresh = self.segment_peaks[k]
-                    worst = max(worst, (grads, self.segments[k]), (grads + fresh, acts), key=sum)
+                worst = max(worst, (grads, self.segments[k]), key=sum)
+                if self.segment_steps:
+                    for j, tensors, scratch in self.segment_steps[k]:
+                        grads += self.grad_bytes[j] if j in own else 0
+                        worst = max(worst, (grads, tensors + scratch), key=sum)
                 else:  # (gradients made within segment k counted through it)
-                    worst = max(worst, (grads + made[k], self.segments[k]), key=sum)
-                grads += made[k]
+                    grads += sum(self.grad_bytes[j] for j in own if made[j] == k)
+                    worst = max(worst, (grads, self.segments[k]), key=sum)
             out.starting[i] = self.at_grads[start - 1] if start else self.backward_start
             out.computing[i] = worst
             out.left[i] = self.at_grads[end] if own else self.segments[start]
@@ -225,46 +231,52 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
     segments: list[int] = []
     at_grads: list[int] = []
     made_in: dict[int, int] = {}  # a gradient's address: the segment its memory was allocated in
-    fresh = 0  # gradient bytes allocated in this segment so far
-    worst = (0, 0)  # this segment's (non-gradient bytes, fresh) where they add up to the most
-    peaks: list[tuple[int, int]] = []
+    steps: list[tuple[tuple[int, int, int], ...]] = []  # see ActivationProfile.segment_steps (addresses, for now)
+    pieces: list[tuple[int, int, int]] = []  # this segment's, closed
+    piece = (0, 0, 0)  # this segment's open piece: (gradient's address or 0, non-gradient bytes, scratch) at its worst
+
+    def higher(a: tuple[int, int, int], tensors: int, scratch: int = 0) -> tuple[int, int, int]:
+        return a if a[1] + a[2] >= tensors + scratch else (a[0], tensors, scratch)
+
     for i, (ptr, size, name) in enumerate(events):
         if name == _BACKWARD_MARK:
             in_backward, high, forward_end = True, current, current
-            worst = (current, 0)
+            piece = (0, current, 0)
         elif name is not None and name.startswith(SCRATCH_MARK):  # a kernel's own memory, for its call
-            during = current + int(name[len(SCRATCH_MARK):])
-            peak, high = max(peak, during), max(high, during)
-            worst = max(worst, (during, fresh), key=sum)
+            scratch = int(name[len(SCRATCH_MARK):])
+            peak = max(peak, current + scratch)
+            piece = higher(piece, current, scratch)
             if not in_backward:
-                forward = max(forward, during)
+                forward = max(forward, current + scratch)
         elif name is not None:
             order.append(name.removeprefix(_GRAD_MARK))
             segments.append(high)
-            peaks.append(worst)
+            steps.append((*pieces, piece))
             at_grads.append(current)
-            high, fresh, worst = current, 0, (current, 0)
+            high, pieces, piece = current, [], (0, current, 0)
         elif size > 0 and i in grad_events:
             made_in[ptr] = len(order)
-            fresh += size
-            worst = max(worst, (current, fresh), key=sum)
+            pieces.append(piece)
+            piece = (ptr, current, 0)
         elif size > 0:
             live[ptr] = size
             current += size
             peak = max(peak, current)
             high = max(high, current)
-            worst = max(worst, (current, fresh), key=sum)
+            piece = higher(piece, current)
             if not in_backward:
                 forward = max(forward, current)
         elif size < 0:
             current -= live.pop(ptr, 0)  # (what was allocated before the step is not counted)
     segments.append(high)
-    peaks.append(worst)
+    steps.append((*pieces, piece))
+    index = {grad_at[n]: k for k, n in enumerate(order) if n in grad_at}
     return ActivationProfile(peak=peak, forward=forward, grad_order=tuple(order),
                              grad_bytes=tuple(named[n].numel() * named[n].element_size() for n in order),
                              segments=tuple(segments), at_grads=tuple(at_grads), backward_start=forward_end,
                              grad_made=tuple(min(k, made_in.get(grad_at.get(n, -1), k)) for k, n in enumerate(order)),
-                             segment_peaks=tuple(peaks),
+                             segment_steps=tuple(tuple((index.get(ptr, -1) if ptr else -1, t, x) for ptr, t, x in seg)
+                                                 for seg in steps),
                              host_scale=max(1.0, host_forward / forward_end) if host_forward and forward_end else 1.0)
 
 

@@ -14,12 +14,19 @@ the call holds beyond its new outputs: it runs the call again on the same argume
 ``malloc_trim(0)`` has handed every free page of the heap back to the system, with the process's
 peak resident size reset (``/proc/self/clear_refs``), and takes the rise of that peak
 (``VmHWM``) over the resident size before it, less the bytes of the outputs it made, the
-smallest of three tries (the rise only ever errs high: a page Python's allocator touched). A
-call that writes into its arguments or draws random numbers is not run again (it would change
-the step). The profiled step then marks, after each call whose scratch is at least
+smallest of up to three tries (the rise only ever errs high: a page Python's allocator
+touched; a first try under SCRATCH_FLOOR settles it), once per process (every profile taken in
+it agrees). Run again are only calls that cannot change the step or the job: not one that
+writes into its arguments or draws random numbers, not a collective (the ``c10d`` namespaces,
+or an argument that is a process group or other script object: its peers would never pair it),
+not one on sparse or non-CPU tensors; the random number generator's state is put back after
+the tries all the same. A call that fails to run again, or a /proc that refuses the reset,
+measures nothing. The profiled step then marks, after each call whose scratch is at least
 SCRATCH_FLOOR, the bytes it held: the profile counts them on top of what is live there, for
-that moment. Nothing is measured on a GPU (the caching allocator's workspaces are tensors to
-the profiler) or where glibc or /proc is missing.
+that moment (and, scratch being host memory, does not scale them by ``host_scale``). Nothing
+is measured on a GPU (the caching allocator's workspaces are tensors to the profiler) or where
+glibc or /proc is missing. The reset also resets the process's ``getrusage`` maximum resident
+size (``ru_maxrss``): such a peak read across a profile on a CPU counts from its last reset.
 """
 
 from __future__ import annotations
@@ -41,13 +48,17 @@ _PAGE = 4096
 _MEASURED: dict[Any, int] = {}
 
 
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+
+
 def _libc() -> Any | None:
+    """glibc, if it is the allocator and /proc/self/clear_refs takes a reset of the peak resident size."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.malloc_trim  # noqa: B018 (glibc's)
-        with open("/proc/self/clear_refs", "w"):
-            pass
-        return libc
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return libc if _peak_resident() else None
     except (OSError, AttributeError):
         return None
 
@@ -66,17 +77,15 @@ def _resident() -> int:
 
 
 def _signature(func: Any, args: tuple, kwargs: dict) -> Any:
-    flat, _ = tree_flatten((args, kwargs))
-    key = []
+    """What decides a call's kernel: the operator, the arguments' structure, its tensors' shapes, strides and dtypes,
+    its other arguments (typed: 1, 1.0 and True differ), the threads it may use."""
+    flat, spec = tree_flatten((args, kwargs))
+    key: list[Any] = [str(spec), torch.get_num_threads()]
     for a in flat:
         if isinstance(a, torch.Tensor):
             key.append((tuple(a.shape), a.stride(), a.dtype, a.device.type))
         else:
-            try:
-                hash(a)
-                key.append(a)
-            except TypeError:
-                key.append(repr(a))
+            key.append((type(a).__name__, repr(a)))
     return (func, tuple(key))
 
 
@@ -85,15 +94,20 @@ def _storages(value: Any) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in flat if isinstance(t, torch.Tensor)}
 
 
-def _rerunnable(func: Any, args: tuple, kwargs: dict) -> bool:
+def _rerunnable(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether running ``func`` again on the same arguments can change nothing but memory (see the Note)."""
     schema = func._schema
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
         return False
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        return False
     if any(r.alias_info is not None for r in schema.returns):  # a view: no kernel runs
         return False
-    flat, _ = tree_flatten((args, kwargs))
+    flat, _ = tree_flatten((args, kwargs, out))
+    if any(isinstance(a, torch.ScriptObject) for a in flat):  # a process group, a work: a collective's
+        return False
     tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+    return bool(tensors) and all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors)
 
 
 class KernelScratch:
@@ -115,23 +129,37 @@ class KernelScratch:
         return _Mode(self._mark)
 
     def _measure(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        key = _signature(func, args, kwargs)
-        if key in self.bytes or not _rerunnable(func, args, kwargs):
+        if not _rerunnable(func, args, kwargs, out):
             return
+        key = _signature(func, args, kwargs)
+        if key in self.bytes:
+            return
+        try:
+            self.bytes[key] = self._held_beside_outputs(func, args, kwargs)
+        except Exception:  # noqa: BLE001 (a call that does not run again, a /proc that refuses: nothing measured)
+            self.bytes[key] = 0
+
+    def _held_beside_outputs(self, func: Any, args: tuple, kwargs: dict) -> int:
         inputs = _storages((args, kwargs))
+        rng = torch.get_rng_state()
         best = None
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            for _ in range(_TRIES):
-                self._libc.malloc_trim(0)
-                before = _resident()
-                clear_refs.write("5")
-                clear_refs.flush()
-                again = func(*args, **kwargs)
-                rise = _peak_resident() - before
-                made = sum(n for ptr, n in _storages(again).items() if ptr not in inputs)
-                del again
-                best = rise - made if best is None else min(best, rise - made)
-        self.bytes[key] = best if best is not None and best >= SCRATCH_FLOOR else 0
+        try:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                for _ in range(_TRIES):
+                    self._libc.malloc_trim(0)
+                    before = _resident()
+                    clear_refs.write("5")
+                    clear_refs.flush()
+                    again = func(*args, **kwargs)
+                    rise = _peak_resident() - before
+                    made = sum(n for ptr, n in _storages(again).items() if ptr not in inputs)
+                    del again
+                    best = rise - made if best is None else min(best, rise - made)
+                    if best < SCRATCH_FLOOR:
+                        break
+        finally:
+            torch.set_rng_state(rng)
+        return best if best is not None and best >= SCRATCH_FLOOR else 0
 
     def _mark(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         held = self.bytes.get(_signature(func, args, kwargs), 0)
