@@ -71,6 +71,7 @@ class SocketLink:
         """Sends ``outgoing`` and returns as many bytes read from the partner, waiting through ``wait``."""
         view = memoryview(bytearray(len(outgoing)))
         try:
+            self._sock.settimeout(None)  # (the last read's slice may have left a short timeout: never for the send)
             self._sock.sendall(outgoing)
         except OSError as e:
             raise LinkClosed(f"Connection closed by peer ({e})") from e
