@@ -154,12 +154,14 @@ class UnitActivations:
 
 
 def measure_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], *,
-                        dtype: torch.dtype | None = None) -> int:
+                        dtype: torch.dtype | None = None, kernel_scratch: bool = True) -> int:
     """Bytes a forward and backward of ``model`` holds beyond its parameters and the gradients it makes (see
     [Note: Measuring activations]). ``loss_fn(model)`` returns the loss of one rank's batch. ``dtype``: the
     compute dtype (mixed precision's ``param_dtype``); the model's floating-point parameters are cast to it
-    in place."""
-    return profile_activations(model, loss_fn, dtype=dtype, where="measure_activations").peak
+    in place. ``kernel_scratch``: on a CPU, count what kernels ``malloc`` beside their tensors ([Note: Kernel
+    scratch on a CPU]); False where the CPU only stands in for the GPU the plan is for."""
+    return profile_activations(model, loss_fn, dtype=dtype, kernel_scratch=kernel_scratch,
+                               where="measure_activations").peak
 
 
 _GRAD_MARK = "flatshard.plan.grad:"
@@ -167,7 +169,8 @@ _BACKWARD_MARK = "flatshard.plan.backward"
 
 
 def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], *,
-                        dtype: torch.dtype | None = None, where: str = "profile_activations") -> ActivationProfile:
+                        dtype: torch.dtype | None = None, kernel_scratch: bool = True,
+                        where: str = "profile_activations") -> ActivationProfile:
     """``measure_activations``, with where the step frees what it holds (see [Note: Activations unit by unit]):
     ``flatshard.plan.plan(..., activation_bytes=profile)`` holds each unit's share where its backward runs."""
     if not isinstance(model, nn.Module):
@@ -191,7 +194,7 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
             loss.backward()
 
     # On a CPU the first step also measures what kernels hold besides tensors ([Note: Kernel scratch on a CPU]).
-    scratch = KernelScratch() if device.type == "cpu" else None
+    scratch = KernelScratch() if device.type == "cpu" and kernel_scratch else None
     if scratch is not None and scratch.available:
         with scratch.measuring():
             step()
