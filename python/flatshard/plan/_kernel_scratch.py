@@ -24,8 +24,9 @@ the tries all the same. A call that fails to run again, or a /proc that refuses 
 measures nothing. The profiled step then marks, after each call whose scratch is at least
 SCRATCH_FLOOR, the bytes it held: the profile counts them on top of what is live there, for
 that moment (and, scratch being host memory, does not scale them by ``host_scale``). Nothing
-is measured on a GPU (the caching allocator's workspaces are tensors to the profiler) or where
-glibc or /proc is missing. The reset also resets the process's ``getrusage`` maximum resident
+is measured on a GPU (the caching allocator's workspaces are tensors to the profiler), where
+glibc or /proc is missing, or with ``kernel_scratch=False`` (the CLI's: its CPU stands in for the
+GPUs its plan is for, whose kernels are others). The reset also resets the process's ``getrusage`` maximum resident
 size (``ru_maxrss``): such a peak read across a profile on a CPU counts from its last reset.
 """
 
