@@ -52,6 +52,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import sys
 from typing import Callable, Sequence
 
 import torch
@@ -331,7 +332,9 @@ def _allocations(step: Callable[[], None], device: torch.device) -> list[tuple[i
         if event.tag == _EventType.Allocation and fields.device.type == device.type:
             events.append((event.start_time_ns, fields.id, fields.ptr, fields.alloc_size, None))
         elif event.name.startswith((_GRAD_MARK, _BACKWARD_MARK, SCRATCH_MARK)):
-            events.append((event.start_time_ns, -1, 0, 0, event.name))
+            # (a scratch mark is made after its call's outputs: at the same nanosecond, after them)
+            events.append((event.start_time_ns, sys.maxsize if event.name.startswith(SCRATCH_MARK) else -1, 0, 0,
+                           event.name))
         pending.extend(event.children)
     events.sort(key=lambda a: (a[0], a[1]))
     return [(ptr, size, name) for _, _, ptr, size, name in events]
