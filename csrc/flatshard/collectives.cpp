@@ -118,30 +118,43 @@ CommWork track_work(c10::intrusive_ptr<c10d::Work> work) {
   return CommWork([work]() { work->wait(); }, [work]() { return work->isCompleted(); });
 }
 
-// Waits for `future` at most `seconds`: a completion callback wakes the waiter (added only when
-// a wait would block, i.e. only for the stall hook's slices, see [Note: Stalled waits]).
-bool wait_future_for(const c10::intrusive_ptr<c10::ivalue::Future>& future, double seconds) {
+// A waiter's wake-up on a future's completion: the callback is added once, at the first wait that
+// would block (i.e. only for the stall hook's slices, see [Note: Stalled waits]), and serves every
+// later slice of the same wait.
+struct CompletionSignal {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  bool armed = false;
+};
+
+// Waits for `future` at most `seconds`.
+bool wait_future_for(const c10::intrusive_ptr<c10::ivalue::Future>& future,
+                     const std::shared_ptr<CompletionSignal>& signal, double seconds) {
   if (future->completed()) return true;
-  struct Signal {
-    std::mutex mutex;
-    std::condition_variable cv;
-    bool done = false;
-  };
-  auto signal = std::make_shared<Signal>();
-  future->addCallback([signal](c10::ivalue::Future&) {
-    {
-      std::lock_guard<std::mutex> lock(signal->mutex);
-      signal->done = true;
-    }
-    signal->cv.notify_all();
-  });
+  bool arm = false;
+  {
+    std::lock_guard<std::mutex> lock(signal->mutex);
+    arm = !signal->armed;
+    signal->armed = true;
+  }
+  if (arm) {
+    future->addCallback([signal](c10::ivalue::Future&) {
+      {
+        std::lock_guard<std::mutex> lock(signal->mutex);
+        signal->done = true;
+      }
+      signal->cv.notify_all();
+    });
+  }
   std::unique_lock<std::mutex> lock(signal->mutex);
   return signal->cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return signal->done; });
 }
 
 CommWork track_future(c10::intrusive_ptr<c10::ivalue::Future> future) {
+  auto signal = std::make_shared<CompletionSignal>();
   return CommWork([future]() { future->waitAndThrow(); }, [future]() { return future->completed(); },
-                  [future](double seconds) { return wait_future_for(future, seconds); });
+                  [future, signal](double seconds) { return wait_future_for(future, signal, seconds); });
 }
 
 // See [Note: c10d's names for the single-tensor collectives].
