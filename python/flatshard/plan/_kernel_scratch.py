@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from typing import Any, Callable
 
 import torch
@@ -44,12 +45,10 @@ MARK = "flatshard.plan.scratch:"
 # Below this a measured rise is the measurement's own noise (a few pages of Python's objects): not scratch.
 SCRATCH_FLOOR = 32 * 1024
 _TRIES = 3
-_PAGE = 4096
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 # Measured per distinct call, once per process: every profile taken in a process agrees on a kernel's scratch.
 _MEASURED: dict[Any, int] = {}
-
-
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 
 
 def _libc() -> Any | None:
