@@ -261,7 +261,7 @@ def test_activation_profile_maps_onto_units_in_any_order():
 
 def test_activation_profile_counts_gradients_from_their_allocation():
     """A layer's weight gradient is computed (with its kernel's scratch) before autograd hands the layer's bias
-    gradient to ``.grad``: a unit's own gradients count from their allocation (``grad_made``, ``segment_steps``), not
+    gradient to ``.grad``: a unit's own gradients count from their allocation (``segment_steps``), not
     from their marks; one allocated before the unit's first segment from its start; another unit's (the root's
     head) not at all; on the host the activations scale by ``host_scale``, a kernel's scratch does not."""
     from flatshard.plan import ActivationProfile
@@ -275,7 +275,7 @@ def test_activation_profile_counts_gradients_from_their_allocation():
     # allocated: head in segment 0, b1.b and b1.w in 1 (b1.w's kernel holding 8 of scratch then), b0.w in 2
     steps = (((-1, 45, 0), (0, 44, 0)), ((-1, 40, 0), (1, 40, 0), (2, 42, 8)), ((-1, 39, 0), (3, 35, 0)),
              ((-1, 30, 0),), ((-1, 20, 0),))
-    made = ActivationProfile(**base, grad_made=(0, 1, 1, 2), segment_steps=steps)
+    made = ActivationProfile(**base, segment_steps=steps)
     assert made.at_units(units).computing == [(4, 30), (11, 50)]
     scaled = dataclasses.replace(made, host_scale=2.0).at_units(units, on_host=True)
     assert scaled.computing == [(4, 60), (11, 92)]  # 2 x 42 + 8

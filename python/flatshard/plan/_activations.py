@@ -49,8 +49,8 @@ nothing is added.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
 import dataclasses
 import sys
 from typing import Callable, Sequence
@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from flatshard.plan._kernel_scratch import MARK as SCRATCH_MARK
-from flatshard.plan._kernel_scratch import KernelScratch
+from flatshard.plan._kernel_scratch import KernelScratch, glibc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +78,10 @@ class ActivationProfile:
     # On a CPU: the host memory a forward holds (autograd's graph included) over its tensors' bytes, else 1
     # (see [Note: The autograd graph in host memory])
     host_scale: float = 1.0
-    # grad_made[k]: the segment in which gradient grad_order[k]'s memory was allocated (autograd computes a layer's
-    # gradients before it hands them to .grad one by one: a weight's may be made in its bias's segment); () for k
-    grad_made: tuple[int, ...] = ()
     # segment_steps[k]: segment k cut at each gradient's allocation: per piece (the gradient allocated where it starts,
     # as its index in grad_order, or -1 at the segment's start; then the non-gradient bytes and a kernel's scratch
-    # ([Note: Kernel scratch on a CPU]) at the piece's highest point); () in a profile without them
+    # ([Note: Kernel scratch on a CPU]) at the piece's highest point). Autograd computes a layer's gradients before it
+    # hands them to .grad one by one: a weight's is allocated in its bias's segment. () in a profile without them
     segment_steps: tuple[tuple[tuple[int, int, int], ...], ...] = ()
 
     def at_units(self, unit_params: Sequence[Sequence[str]], on_host: bool = False) -> "UnitActivations":
@@ -99,6 +97,7 @@ class ActivationProfile:
                                                            for steps in self.segment_steps),
                                        backward_start=int(self.backward_start * self.host_scale)).at_units(unit_params)
         position = {name: k for k, name in enumerate(self.grad_order)}
+        allocated_in = {j: k for k, steps in enumerate(self.segment_steps) for j, _, _ in steps if j >= 0}
         n = len(unit_params)
         out = UnitActivations(self.forward, [0] * n, [(0, 0)] * n, [0] * n, 0)
         start = 0  # the segment the next unit's backward starts in
@@ -111,7 +110,7 @@ class ActivationProfile:
             # (a unit whose gradients all came before the units after it in backward order: none of its own here)
             own = {position[name] for name in unit_params[i] if position.get(name, -1) >= start}
             end = max([start, *own])
-            made = {k: min(k, self.grad_made[k]) if self.grad_made else k for k in own}  # the segment of allocation
+            made = {k: allocated_in.get(k, k) for k in own}  # the segment of each one's allocation
             # the unit's own gradients only (an earlier unit's, or the root's, are the plan's to count), each from its
             # allocation on: those allocated before the unit's first segment are there from its start
             grads, worst = sum(self.grad_bytes[k] for k in own if made[k] < start), (0, 0)
@@ -196,10 +195,8 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
 
     # On a CPU the first step also measures what kernels hold besides tensors ([Note: Kernel scratch on a CPU]).
     scratch = KernelScratch() if device.type == "cpu" and kernel_scratch else None
-    if scratch is not None and scratch.available:
-        with scratch.measuring():
-            step()
-    else:
+    scratch = scratch if scratch is not None and scratch.available else None
+    with scratch.measuring() if scratch is not None else contextlib.nullcontext():
         step()
     model.zero_grad(set_to_none=True)
     host_forward = _host_bytes_of_forward(model, loss_fn) if device.type == "cpu" else None
@@ -212,13 +209,11 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
 
     handles = [p.register_post_accumulate_grad_hook(mark(name)) for name, p in named.items() if p.requires_grad]
     try:
-        if scratch is not None and scratch.available and any(scratch.bytes.values()):
-            def marked_step() -> None:
-                with scratch.marking():
-                    step()
-            events = _allocations(marked_step, device)
-        else:
-            events = _allocations(step, device)
+        def profiled_step() -> None:
+            with scratch.marking() if scratch is not None else contextlib.nullcontext():
+                step()
+
+        events = _allocations(profiled_step, device)
     finally:
         for handle in handles:
             handle.remove()
@@ -234,7 +229,6 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
     order: list[str] = []
     segments: list[int] = []
     at_grads: list[int] = []
-    made_in: dict[int, int] = {}  # a gradient's address: the segment its memory was allocated in
     steps: list[tuple[tuple[int, int, int], ...]] = []  # see ActivationProfile.segment_steps (addresses, for now)
     pieces: list[tuple[int, int, int]] = []  # this segment's, closed
     piece = (0, 0, 0)  # this segment's open piece: (gradient's address or 0, non-gradient bytes, scratch) at its worst
@@ -259,7 +253,6 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
             at_grads.append(current)
             high, pieces, piece = current, [], (0, current, 0)
         elif size > 0 and i in grad_events:
-            made_in[ptr] = len(order)
             pieces.append(piece)
             piece = (ptr, current, 0)
         elif size > 0:
@@ -278,7 +271,6 @@ def profile_activations(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
     return ActivationProfile(peak=peak, forward=forward, grad_order=tuple(order),
                              grad_bytes=tuple(named[n].numel() * named[n].element_size() for n in order),
                              segments=tuple(segments), at_grads=tuple(at_grads), backward_start=forward_end,
-                             grad_made=tuple(min(k, made_in.get(grad_at.get(n, -1), k)) for k, n in enumerate(order)),
                              segment_steps=tuple(tuple((index.get(ptr, -1) if ptr else -1, t, x) for ptr, t, x in seg)
                                                  for seg in steps),
                              host_scale=max(1.0, host_forward / forward_end) if host_forward and forward_end else 1.0)
@@ -291,10 +283,9 @@ class _MallInfo2(ctypes.Structure):
 
 def _host_bytes_in_use() -> int | None:
     """glibc's count of the bytes malloc has handed out and not had back (None without glibc's ``mallinfo2``)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallinfo2 = libc.mallinfo2
-    except (OSError, AttributeError):
+    libc = glibc()
+    mallinfo2 = getattr(libc, "mallinfo2", None)
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from typing import Any, Callable
 
@@ -51,15 +52,24 @@ _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtens
 _MEASURED: dict[Any, int] = {}
 
 
-def _libc() -> Any | None:
-    """glibc, if it is the allocator and /proc/self/clear_refs takes a reset of the peak resident size."""
+@functools.cache
+def glibc() -> Any | None:
+    """The C library, where it is glibc (its ``malloc_trim``), else None."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim  # noqa: B018 (glibc's)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def _libc() -> Any | None:
+    """glibc, if it is the allocator and /proc/self/clear_refs takes a reset of the peak resident size."""
+    libc = glibc()
+    try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
-        return libc if _peak_resident() else None
-    except (OSError, AttributeError):
+        return libc if libc is not None and _peak_resident() else None
+    except OSError:
         return None
 
 
