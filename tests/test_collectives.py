@@ -46,14 +46,18 @@ def _reduction_input_freed_at_completion(rank: int, world_size: int) -> dict:
     unit.accumulate_grad(_grads(rank))
     flat_grad = weakref.ref(unit.unsharded_grad)  # dies with the C++ tensor (PyObject preservation)
     assert flat_grad() is not None
-    dist.barrier()
-    if rank == 1:
-        time.sleep(0.5)  # rank 0's collective cannot complete before this rank joins it
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # joins only once rank 0 has looked: rank 0's collective cannot have completed before
+        store.wait(["rank0_issued"])
     scheduler.reduce_grad(unit)
     alive_right_after_issue = flat_grad() is not None
-    deadline = time.monotonic() + 10.0
+    if rank == 0:
+        store.set("rank0_issued", "1")
+    # The host does not wait on the scheduler: gloo's thread frees the input once the collective completes. The
+    # deadline only bounds a failure (the input never freed), generously: a loaded machine may be slow to do it.
+    deadline = time.monotonic() + 60.0
     while flat_grad() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)  # the host does not wait on the scheduler: gloo's thread frees it
+        time.sleep(0.01)
     freed_without_host_wait = flat_grad() is None
     pending_before_finish = scheduler.pending_reductions
     scheduler.finish_grad_sync()
@@ -69,7 +73,7 @@ def _reduction_input_freed_at_completion(rank: int, world_size: int) -> dict:
 
 def test_reduction_input_freed_when_gloo_completes():
     results = run_distributed(_reduction_input_freed_at_completion, 2, timeout=60.0)
-    # Rank 0 issued first and its peer was half a second late: still held then.
+    # Rank 0 looked before its peer joined the collective: still held then.
     assert results[0]["alive_right_after_issue"]
     for r in results:
         assert r["freed_without_host_wait"], r

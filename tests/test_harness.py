@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import statistics
 import time
 
 import pytest
@@ -146,13 +145,17 @@ def test_child_output_reaches_the_test(capsys):
     assert "hello from rank 1" in out
 
 
+# [Note: Ending on the first failure] The harness ends a run at its first failing rank, killing the others,
+# which wait in a collective the failed rank never joins. The tests below show that by the outcome, not by a
+# time: the waiting rank's group timeout is set far beyond the run's deadline (LONG), so only the harness can
+# end it, and a harness that waited for it would end the run as a DistributedTestTimeout instead.
+LONG = dict(timeout=120, pg_timeout=3600)
+
+
 def test_raising_rank_fails_fast_with_its_traceback():
-    start = time.monotonic()
     with pytest.raises(DistributedTestFailure) as info:
-        run_distributed(_raise_on_rank1, 2, timeout=60)
-    elapsed = time.monotonic() - start
+        run_distributed(_raise_on_rank1, 2, **LONG)
     message = str(info.value)
-    assert elapsed < 30, f"took {elapsed:.1f} s to report a raising rank"
     assert "rank 1 first" in message
     assert "Traceback (most recent call last)" in message
     assert "_raise_on_rank1" in message  # the frame, not just the exception
@@ -174,13 +177,10 @@ def test_bare_assert_in_rank_reports_values():
 
 
 def test_hanging_rank_times_out_and_leaves_no_process(tmp_path):
-    timeout = 5.0
-    start = time.monotonic()
     with pytest.raises(DistributedTestTimeout) as info:
-        run_distributed(_hang_on_rank1, 2, str(tmp_path), timeout=timeout)
-    elapsed = time.monotonic() - start
+        run_distributed(_hang_on_rank1, 2, str(tmp_path), timeout=5.0, pg_timeout=3600)
     message = str(info.value)
-    assert elapsed < timeout + 10, f"took {elapsed:.1f} s with a {timeout} s timeout"
+    assert "timed out after 5 s" in message, message
     assert "rank(s) [0, 1] had not finished" in message
     # The stacks dumped at the timeout show where each rank was stuck.
     assert "_hang_on_rank1" in message
@@ -189,10 +189,8 @@ def test_hanging_rank_times_out_and_leaves_no_process(tmp_path):
 
 
 def test_exiting_rank_is_reported(tmp_path):
-    start = time.monotonic()
-    with pytest.raises(DistributedTestFailure) as info:
-        run_distributed(_exit3_on_rank1, 2, str(tmp_path), timeout=60)
-    assert time.monotonic() - start < 30
+    with pytest.raises(DistributedTestFailure) as info:  # see [Note: Ending on the first failure]
+        run_distributed(_exit3_on_rank1, 2, str(tmp_path), **LONG)
     message = str(info.value)
     # Rank 0 may notice the lost peer (connection reset) before the harness sees
     # rank 1's exit: which is reported first is a race, that rank 1's exit is not.
@@ -225,21 +223,19 @@ def test_rejects_bad_arguments():
         run_distributed(lambda rank, world_size: rank, 1)
 
 
-# Generous bound: with a fork server a call costs ~0.05-0.15 s here; starting ranks
-# with "spawn" (a fresh interpreter importing torch) costs ~2-3 s per rank.
-MAX_OVERHEAD_S = 2.0
+def _parent_with_torch(rank, world_size):
+    parent = os.getppid()
+    with open(f"/proc/{parent}/maps") as f:
+        return parent, any("libtorch" in line for line in f)
 
 
-def test_per_call_overhead_is_small():
-    run_distributed(_noop, 1)  # start the fork server outside the measurement
-    overhead = {}
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc (Linux)")
+def test_ranks_are_forked_from_one_server_that_imported_torch():
+    """[Note: Fast start] by its mechanism, not by a time: every rank of every call is a child of the same fork
+    server (not of the test process), and that server has torch loaded, so no rank pays torch's import."""
+    parents = set()
     for world_size in WORLD_SIZES:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            assert run_distributed(_noop, world_size) == list(range(world_size))
-            times.append(time.perf_counter() - start)
-        overhead[world_size] = statistics.median(times)
-    print("run_distributed overhead (median of 3, s):", {w: round(t, 3) for w, t in overhead.items()})
-    slow = {w: t for w, t in overhead.items() if t > MAX_OVERHEAD_S}
-    assert not slow, f"per-call overhead above {MAX_OVERHEAD_S} s: {slow}"
+        for parent, has_torch in run_distributed(_parent_with_torch, world_size):
+            assert has_torch, f"rank's parent {parent} has not loaded torch"
+            parents.add(parent)
+    assert len(parents) == 1 and os.getpid() not in parents, parents

@@ -112,10 +112,16 @@ def _back_to_back_all_gathers(rank: int, world_size: int, limit: str | None) -> 
     With a limit of 1 the second all-gather cannot be issued before the first
     completes, and the first cannot complete before rank 1 joins it: rank 0
     must stall in the limiter, inside a ``flatshard::rate_limit_wait`` range.
+    Rank 1 joins once rank 0 is inside the call that issues the second (a thread
+    of rank 0 sees its main thread there: the call releases the GIL while it
+    waits); without a limit, once rank 0 has issued all three.
     """
     import os
+    import sys
+    import threading
     import time
 
+    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from flatshard import FullyShardedDataParallel as FSDP
@@ -135,12 +141,28 @@ def _back_to_back_all_gathers(rank: int, world_size: int, limit: str | None) -> 
         model(local_slice(make_batch(), rank, world_size)[0])  # lazy init; nothing stays unsharded
     scheduler = model._unit_state.root.scheduler
     handles = [model.module.blocks[i]._unit_state.handle for i in range(3)]
+    store = dist.distributed_c10d._get_default_store()
+    me = sys._getframe()
+
+    def tell_rank1_once_issuing_the_second():
+        main = threading.main_thread().ident
+        while True:
+            frame = sys._current_frames().get(main)
+            if frame is me and frame.f_locals.get("issuing") is handles[1]:
+                store.set("rank0_issuing_second", "1")
+                return
+            time.sleep(0.001)
+
     before = scheduler.limiter_stalls
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        if rank == 0 and limit is not None:
+            threading.Thread(target=tell_rank1_once_issuing_the_second, daemon=True).start()
         if rank == 1:
-            time.sleep(0.5)
-        for handle in handles:
-            scheduler.unshard(handle)
+            store.wait(["rank0_issuing_second" if limit is not None else "rank0_issued_all"])
+        for issuing in handles:
+            scheduler.unshard(issuing)
+        if rank == 0 and limit is None:
+            store.set("rank0_issued_all", "1")
         for handle in handles:
             scheduler.wait_for_unshard(handle)
     for handle in handles:

@@ -1,15 +1,15 @@
 """Ranks that disagree raise, every one of them, with a message naming the ranks and what differs
 (see [Note: Rank-divergence guard]); none hangs, none aborts, none trains on.
 
-Each case runs with a run deadline (30 s) well under the process group's timeout (60 s): a
-case that only ended at the group's timeout, or hung, fails; a process abort fails too (the
-harness reports the signal). Without the guard these runs hang or abort (torch FSDP1 does
+Each case runs with a run deadline (DEADLINE) under the process group's timeout (PG_TIMEOUT): a
+case that only ended at the group's timeout, or hung, fails as a hang; a process abort fails too
+(the harness reports the signal). The deadline bounds a hang, it is no speed claim: it is
+generous, so that a loaded machine fails no case, and no case measures its time (each rank's
+error type and message show that the guard, not a timeout, ended it). Without the guard these runs hang or abort (torch FSDP1 does
 the same; tests/test_robustness.py has the cases the guard does not need).
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -20,7 +20,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from _dist import run_distributed
 from models import MLP, Block, gpt_loss, local_slice, make_batch, make_gpt
 
-DEADLINE = 30.0
+DEADLINE = 120.0
+PG_TIMEOUT = 300.0
 
 
 def _model(rank, **changes):
@@ -67,16 +68,13 @@ def _model_case(rank, world_size, case):
 
     model = _model(rank, **(MODEL_CASES[case][0] if rank == 1 else {}))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    start = time.monotonic()
     with pytest.raises(RankDivergenceError, match=MODEL_CASES[case][1]):
         _step(model, opt, 0, rank, world_size)
-    return time.monotonic() - start
 
 
 @pytest.mark.parametrize("case", list(MODEL_CASES))
 def test_ranks_with_different_models_raise(case):
-    seconds = run_distributed(_model_case, 2, case, timeout=DEADLINE)
-    assert max(seconds) < 10, seconds
+    run_distributed(_model_case, 2, case, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
 
 
 def _no_sync_on_one_rank(rank, world_size):
@@ -160,9 +158,7 @@ CASES = {"no_sync_on_one_rank": (_no_sync_on_one_rank, 2),
 @pytest.mark.parametrize("case", list(CASES))
 def test_ranks_that_run_differently_raise(case):
     fn, world_size = CASES[case]
-    start = time.monotonic()
-    run_distributed(fn, world_size, timeout=DEADLINE)
-    assert time.monotonic() - start < 20
+    run_distributed(fn, world_size, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
 
 
 def _guard_off(rank, world_size, value):
@@ -179,8 +175,8 @@ def _guard_off(rank, world_size, value):
 
 
 def test_guard_can_be_turned_off():
-    assert run_distributed(_guard_off, 2, "0", timeout=DEADLINE) == [False, False]
-    assert run_distributed(_guard_off, 2, "1", timeout=DEADLINE) == [True, True]
+    assert run_distributed(_guard_off, 2, "0", timeout=DEADLINE, pg_timeout=PG_TIMEOUT) == [False, False]
+    assert run_distributed(_guard_off, 2, "1", timeout=DEADLINE, pg_timeout=PG_TIMEOUT) == [True, True]
 
 
 def _links_and_their_fallback(rank, world_size):
@@ -214,7 +210,7 @@ def _links_and_their_fallback(rank, world_size):
 
 
 def test_guard_links_fall_back_to_gloo_where_no_connection_can_be_made():
-    run_distributed(_links_and_their_fallback, 4, timeout=DEADLINE)
+    run_distributed(_links_and_their_fallback, 4, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
 
 
 def _state_dict_in_forward(rank, world_size):
@@ -242,7 +238,7 @@ def _state_dict_in_forward(rank, world_size):
 
 
 def test_state_dict_functions_inside_forward_raise():
-    run_distributed(_state_dict_in_forward, 2, timeout=DEADLINE)
+    run_distributed(_state_dict_in_forward, 2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
 
 
 def _unit_skipped_on_one_rank(rank, world_size):
@@ -267,7 +263,7 @@ def _unit_skipped_on_one_rank(rank, world_size):
 
 
 def test_strict_mode_names_mismatched_collectives():
-    run_distributed(_unit_skipped_on_one_rank, 2, timeout=DEADLINE)
+    run_distributed(_unit_skipped_on_one_rank, 2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
 
 
 # Legitimate scripts the guard must let through (found by a review: each failed or hung before).
@@ -315,7 +311,7 @@ LEGITIMATE = {"asymmetric_process_groups": _asymmetric_groups,
 
 @pytest.mark.parametrize("case", list(LEGITIMATE))
 def test_guard_lets_legitimate_scripts_through(case):
-    run_distributed(LEGITIMATE[case], 2, timeout=DEADLINE)
+    run_distributed(LEGITIMATE[case], 2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
 
 
 def _recover(rank, world_size, diverge):
@@ -344,8 +340,8 @@ def _recover(rank, world_size, diverge):
 
 
 def test_training_goes_on_after_a_caught_divergence():
-    skipped = run_distributed(_recover, 2, False, timeout=DEADLINE)
-    recovered = run_distributed(_recover, 2, True, timeout=DEADLINE)
+    skipped = run_distributed(_recover, 2, False, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    recovered = run_distributed(_recover, 2, True, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
     for rank in range(2):
         assert recovered[rank][1] == 1 and skipped[rank][1] == 0, (recovered, skipped)
         assert recovered[rank][0] == skipped[rank][0], f"rank {rank}: {recovered[rank][0]} vs {skipped[rank][0]}"

@@ -37,7 +37,9 @@ or state-dict call of its models with ProcessGroupGivenUpError (a RuntimeError, 
 RankDivergenceError, so that a loop catching divergences to skip a batch ends), which names
 the first error, rather than issue collectives that would pair with the abandoned ones. A peer whose connection
 closed (its process died) is named by a roll call: the ranks that answer within
-ROLL_CALL_SECONDS are alive, the others are gone.
+ROLL_CALL_SECONDS are alive, the others are gone. A live rank answers at its next look if it
+waits in flatshard, and from its heartbeat otherwise (a rank blocked in a collective of its
+own, or busy in its own code), so the call waits a few heartbeats, not one look.
 
 The store is the one the default process group was made with (torchrun's agent hosts it, or
 rank 0's process): if it is unreachable too, the error says so.
@@ -66,7 +68,7 @@ if TYPE_CHECKING:
 
 FIRST_SECONDS = 1.0
 EVERY_SECONDS = 0.5
-ROLL_CALL_SECONDS = 3.0
+ROLL_CALL_SECONDS = 5.0
 HEARTBEAT_SECONDS = 1.0
 _PREFIX = "flatshard/stall/"
 _GIVEN_UP = ("The process group now holds collectives that will never pair: end the job (checkpoints saved before "
@@ -245,6 +247,7 @@ def _heartbeat() -> None:
     """This rank's default-group collective count and position, every HEARTBEAT_SECONDS (see the Note); prints the
     group's poisoning once, for a main thread blocked outside flatshard. Ends with the store."""
     store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
+    answered = False
     while not _watch.stop.wait(HEARTBEAT_SECONDS):
         try:
             store.set(f"beat/{_watch.rank}", _beat())
@@ -252,6 +255,9 @@ def _heartbeat() -> None:
                 _watch.told = True
                 print(f"flatshard (rank {_watch.rank}): the process group was given up: "
                       f"{store.get('poisoned/1').decode()} {_GIVEN_UP}", file=sys.stderr, flush=True)
+            if _watch.told and not answered and store.check(["poisoned/gone"]):
+                store.set(f"roll_call/{_watch.rank}", "here")  # (alive, wherever the main thread is: see roll_call)
+                answered = True
         except Exception:  # noqa: BLE001 (the store is gone: the job is ending)
             return
 
@@ -372,7 +378,8 @@ def _elsewhere(me: dict[str, Any], beat: dict[str, Any], rank: int) -> str:
 
 def roll_call(ranks: list[int]) -> list[int]:
     """After a peer's connection closed: marks the group poisoned, answers, and returns the ranks of ``ranks`` that
-    have not answered within ROLL_CALL_SECONDS (a live rank answers at its next look, see ``_look``)."""
+    have not answered within ROLL_CALL_SECONDS (a live rank answers at its next look, see ``_look``, or from its
+    heartbeat)."""
     if not _watch.active:
         return []
     store = _watch.store
