@@ -6,36 +6,57 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
+# What is installed, read from the installed packages' metadata in one interpreter (importing each to see
+# whether it is there costs about 40 s for the test dependencies). Prints "torch" if torch is missing, then
+# the pip requirement of each other missing package.
+installed_check() {
+  "$PY" - "$@" <<'PYEOF'
+import importlib.metadata as md
+import sys
+
+def version(name):
+    try:
+        return tuple(int(p) for p in md.version(name).split("+")[0].split(".")[:2] if p.isdigit())
+    except md.PackageNotFoundError:
+        return None
+
+needs_test, needs_plots = sys.argv[1] == "1", sys.argv[2] == "1"
+if version("torch") is None:
+    print("torch")
+wanted = [("scikit-build-core", "scikit-build-core>=0.10"), ("pytest", "pytest>=8"),
+          ("pytest-timeout", "pytest-timeout>=2.3"), ("tqdm", "tqdm>=4.60"),
+          # torch.distributed's *_object collectives (used by tests) need NumPy, which torch's wheel does not pull in.
+          ("numpy", "numpy")]
+if needs_test:
+    wanted += [
+        # Real models in the tests: HF transformers built from configs (nothing downloaded at run time).
+        ("transformers", "transformers>=4.40"),
+        # Frameworks whose own FSDP1 code the tests run on flatshard (tests/test_framework_*.py).
+        ("accelerate", "accelerate>=1.0"), ("trl", "trl>=0.20"), ("lightning", "lightning>=2.2"),
+        ("matplotlib", "matplotlib"),  # python -m flatshard.plan --plot
+        # verl is installed with --no-deps (below); these are what verl.utils.fsdp_utils imports.
+        ("ray", "ray"), ("tensordict", "tensordict>=0.8,<=0.10"), ("omegaconf", "omegaconf")]
+if needs_plots:
+    wanted.append(("matplotlib", "matplotlib"))
+for name, requirement in dict(wanted).items():  # (one line per package)
+    if version(name) is None:
+        print(requirement)
+# peft 0.21 finds LoRA entries by module names with only a leading _fsdp_wrapped_module removed: with nested
+# FSDP1 units (verl's LoRA wrapping) it finds none, on torch's FSDP1 as on flatshard.
+if needs_test and (version("peft") is None or version("peft") >= (0, 21)):
+    print("peft>=0.10,<0.21")
+PYEOF
+}
+
+missing=()
+while IFS= read -r requirement; do
+  [[ -n "$requirement" ]] && missing+=("$requirement")
+done < <(installed_check "${FLATSHARD_NEEDS_TEST_DEPS:-0}" "${FLATSHARD_NEEDS_PLOTS:-0}")
+if [[ "${missing[0]:-}" == torch ]]; then
   echo "== installing torch 2.13.0 (CPU)"
   "$PY" -m pip install -q torch==2.13.0
+  missing=("${missing[@]:1}")
 fi
-missing=()
-"$PY" -c "import scikit_build_core" 2>/dev/null || missing+=("scikit-build-core>=0.10")
-"$PY" -c "import pytest, pytest_timeout" 2>/dev/null || missing+=("pytest>=8" "pytest-timeout>=2.3")
-# torch.distributed's *_object collectives (used by tests) need NumPy, which torch's wheel does not pull in.
-"$PY" -c "import numpy" 2>/dev/null || missing+=("numpy")
-if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]]; then
-  # Real models in the tests: HF transformers built from configs (nothing downloaded at run time).
-  "$PY" -c "import transformers" 2>/dev/null || missing+=("transformers>=4.40")
-  # Frameworks whose own FSDP1 code the tests run on flatshard (tests/test_framework_*.py).
-  "$PY" -c "import accelerate" 2>/dev/null || missing+=("accelerate>=1.0")
-  "$PY" -c "import trl" 2>/dev/null || missing+=("trl>=0.20")
-  "$PY" -c "import lightning" 2>/dev/null || missing+=("lightning>=2.2")
-  "$PY" -c "import matplotlib" 2>/dev/null || missing+=("matplotlib")  # python -m flatshard.plan --plot
-  # peft 0.21 finds LoRA entries by module names with only a leading _fsdp_wrapped_module removed: with
-  # nested FSDP1 units (verl's LoRA wrapping) it finds none, on torch's FSDP1 as on flatshard.
-  "$PY" -c "import peft, sys; sys.exit(tuple(map(int, peft.__version__.split('.')[:2])) >= (0, 21))" 2>/dev/null ||
-    missing+=("peft>=0.10,<0.21")
-  # verl is installed with --no-deps below; these are what verl.utils.fsdp_utils imports.
-  "$PY" -c "import ray" 2>/dev/null || missing+=("ray")
-  "$PY" -c "import tensordict" 2>/dev/null || missing+=("tensordict>=0.8,<=0.10")
-  "$PY" -c "import omegaconf" 2>/dev/null || missing+=("omegaconf")
-fi
-if [[ "${FLATSHARD_NEEDS_PLOTS:-0}" == 1 ]]; then
-  "$PY" -c "import matplotlib" 2>/dev/null || missing+=("matplotlib")
-fi
-"$PY" -c "import tqdm" 2>/dev/null || missing+=("tqdm>=4.60")
 if ! cmake --version 2>/dev/null | awk 'NR==1{split($3,v,"."); exit !(v[1]>3 || (v[1]==3 && v[2]>=24))}'; then
   missing+=("cmake>=3.24")
 fi
@@ -44,7 +65,7 @@ if ((${#missing[@]})); then
   echo "== installing ${missing[*]}"
   "$PY" -m pip install -q "${missing[@]}"
 fi
-if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]] && ! "$PY" -c "import verl" 2>/dev/null; then
+if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]] && ! "$PY" -c "import importlib.metadata as m; m.version('verl')" 2>/dev/null; then
   echo "== installing verl (--no-deps: its FSDP utilities only)"
   "$PY" -m pip install -q --no-deps "verl>=0.5"
 fi
@@ -73,7 +94,7 @@ if [[ -n "${CXX:-}" ]] && ! links_shared_libstdcxx "$CXX" && command -v c++ >/de
   export CXX=$(command -v c++) CC=$(command -v cc || echo cc)
 fi
 
-echo "== building flatshard (torch $("$PY" -c 'import torch; print(torch.__version__)'))"
+echo "== building flatshard (torch $("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))'))"
 start=$(date +%s)
 # --no-build-isolation: build against the torch installed here, never download another.
 "$PY" -m pip install -q --no-build-isolation --no-deps \
