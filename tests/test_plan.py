@@ -188,18 +188,21 @@ def test_measured_activations_extrapolate_from_one_and_two_layers(tmp_path):
     from flatshard.plan import measure_activations
 
     path = _llama_config(tmp_path, "small", 1000, 128, 256, 4, 4, 2)
+    cli = [sys.executable, "-m", "flatshard.plan", "--hf-config", path, "--world-size", "8"]
+    # (The two CLI runs go on beside the direct measurement: each is mostly its imports.)
+    measured = subprocess.Popen([*cli, "--batch-size", "2", "--seq-len", "64", "--json"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    # Without a batch the term is left out, and the table says so.
+    unmeasured = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     tokens = torch.randint(0, 1000, (2, 64))
     direct = measure_activations(model, lambda m: m(input_ids=tokens, labels=tokens).loss)
-    done = subprocess.run([sys.executable, "-m", "flatshard.plan", "--hf-config", path, "--world-size", "8",
-                           "--batch-size", "2", "--seq-len", "64", "--json"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["memory_per_rank"]["activations"] == direct
-    # Without a batch the term is left out, and the table says so.
-    done = subprocess.run([sys.executable, "-m", "flatshard.plan", "--hf-config", path, "--world-size", "8"],
-                          capture_output=True, text=True, timeout=60)
-    assert "activations                not measured" in done.stdout, done.stdout
+    out, err = measured.communicate(timeout=120)
+    assert measured.returncode == 0, err
+    assert json.loads(out)["memory_per_rank"]["activations"] == direct
+    out, err = unmeasured.communicate(timeout=120)
+    assert "activations                not measured" in out, out + err
 
 
 def test_measure_activations_errors():
