@@ -15,7 +15,16 @@ from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 from flatshard._full_params import summon_full_params as _summon_full_params
 from flatshard._host_offload import move_shards_to_device, move_shards_to_host
 from flatshard import _as_torch
-from flatshard.plan import plan  # (the function; python -m flatshard.plan runs the package)
+
+
+def __getattr__(name: str):
+    """``flatshard.plan`` (the planner: a package that is called to plan) loads when first used, not with
+    ``import flatshard``: a training process never needs it."""
+    if name == "plan":
+        import importlib
+
+        return importlib.import_module("flatshard.plan")
+    raise AttributeError(f"module 'flatshard' has no attribute {name!r}")
 
 
 def summon_full_params(module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,

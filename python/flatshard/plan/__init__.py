@@ -8,14 +8,16 @@ the mixed-precision dtypes (see ``_units.py``). From those it reports per unit t
 of each collective of one training step, exact (``_costs.py``, [Note: What a step moves];
 the runtime counts the same bytes, ``_C.FlatParam.collective_bytes``), and per rank the
 memory flatshard holds (``_costs.py``, [Note: What a rank holds]). ``python -m
-flatshard.plan`` does this from an HF config. (``flatshard.plan`` is the function: the
-package ``__init__`` binds it over the subpackage's name; ``import flatshard.plan as p`` gives it too.)
+flatshard.plan`` does this from an HF config. (``flatshard.plan`` is the package, callable: see
+``_CallablePackage``.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import types
 from typing import Any, Iterable
 
 from torch import nn
@@ -210,9 +212,13 @@ def plan(
     return Plan(world_size, strategy, shard_group, replicate_group, units, traffic, memory, timing)
 
 
-# ``flatshard.plan`` is the function (the package binds it over the subpackage's name): it carries the helper, so
-# that ``flatshard.plan.measure_activations`` reads as the module's would.
-plan.measure_activations = measure_activations  # type: ignore[attr-defined]
-plan.profile_activations, plan.ActivationProfile = profile_activations, ActivationProfile  # type: ignore[attr-defined]
-plan.measure_compute = measure_compute  # type: ignore[attr-defined]
-plan.Network, plan.NVLINK, plan.INFINIBAND = Network, NVLINK, INFINIBAND  # type: ignore[attr-defined]
+class _CallablePackage(types.ModuleType):
+    """``flatshard.plan`` is this package, and calling it plans: ``flatshard.plan(model, 64, ...)``, and
+    ``flatshard.plan.measure_activations`` is the package's, whatever was imported first (``import flatshard``
+    loads the package only when ``flatshard.plan`` is first used)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
