@@ -2,7 +2,7 @@
 site-packages, so that every ``torchrun`` / ``accelerate launch`` worker gets it).
 
 Without the variable this does nothing else. With it, flatshard is installed as torch's FSDP1 class (see
-[Note: flatshard as torch's FSDP] in flatshard/_as_torch.py) as soon as ``import torch`` has run, not before:
+[Note: flatshard as torch's FSDP] in flatshard/_torch_facade/opt_in.py) as soon as ``import torch`` has run, not before:
 a process that never imports torch pays nothing, and torch is complete when flatshard loads. The finder stays
 on ``sys.meta_path`` until torch is executed: probes such as ``importlib.util.find_spec("torch")`` (transformers,
 datasets and peft make them at import) get a spec of their own and change nothing. When flatshard itself is
@@ -12,7 +12,7 @@ what imports torch, its ``__init__`` installs at its end instead (it reads the s
 import os
 import sys
 
-ENV_VAR = "FLATSHARD_AS_TORCH_FSDP"  # (flatshard._as_torch.ENV_VAR: this module must not import flatshard)
+ENV_VAR = "FLATSHARD_AS_TORCH_FSDP"  # (flatshard._torch_facade.opt_in.ENV_VAR: this module must not import flatshard)
 
 
 def wanted() -> bool:
@@ -23,9 +23,9 @@ def _install() -> None:
     package = sys.modules.get("flatshard")
     if package is not None and getattr(getattr(package, "__spec__", None), "_initializing", False):
         return  # flatshard is importing torch: its __init__ installs when it is complete
-    import flatshard
+    import flatshard._torch_facade.opt_in as opt_in
 
-    flatshard._as_torch.install(reason=f"{ENV_VAR}=1")
+    opt_in.install(reason=f"{ENV_VAR}=1")
 
 
 class _AfterTorchImport:

@@ -56,7 +56,7 @@ _PROBE = """
     from torch.distributed.checkpoint.state_dict import get_state_dict   # bound before flatshard is imported
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     import torch.distributed.fsdp._runtime_utils as runtime_utils
-    import flatshard, flatshard.checkpoint, flatshard._as_torch as as_torch
+    import flatshard, flatshard.checkpoint, flatshard._torch_facade.opt_in as as_torch
     print(flatshard.is_active(), getattr(FSDP, "_is_flatshard_unit", False),
           get_state_dict is flatshard.checkpoint.get_state_dict, runtime_utils._lazy_init is as_torch._lazy_init,
           "_flat_param" in vars(FSDP))
@@ -89,7 +89,7 @@ def test_late_install_rebinds_imported_names_and_uninstall_restores_everything()
         import torch.distributed.fsdp._runtime_utils as runtime_utils
         print(flatshard.is_active(), dict(vars(FSDP)) == before_class, dict(vars(dsd)) == before_module,
               user.get_state_dict is before_module["get_state_dict"],
-              runtime_utils._lazy_init is flatshard._as_torch.TORCH_ORIGINALS["_lazy_init"])
+              runtime_utils._lazy_init is flatshard._torch_facade.opt_in.TORCH_ORIGINALS["_lazy_init"])
     """, opt_in=False)
     assert out.splitlines() == ["True True True", "False True True True True"]
 

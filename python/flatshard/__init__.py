@@ -14,7 +14,7 @@ from flatshard._stall_watch import ProcessGroupGivenUpError
 from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 from flatshard._full_params import summon_full_params as _summon_full_params
 from flatshard._host_offload import move_shards_to_device, move_shards_to_host
-from flatshard import _as_torch
+from flatshard._torch_facade import opt_in as _as_torch
 
 
 def __getattr__(name: str):

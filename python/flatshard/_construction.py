@@ -298,7 +298,7 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
     flat = nn.Parameter(s.handle.local_shard, requires_grad=any(p.requires_grad for p in params))
     s.handle.set_local_shard(flat)
     s.flat_param = flat
-    # torch's marks (see [Note: The handle] in _torch_attributes.py): flattened, and the names in it.
+    # torch's marks (see [Note: The handle] in _torch_facade/attributes.py): flattened, and the names in it.
     flat._fsdp_flattened = True
     flat._fqns = list(local_names)
     for p in params:

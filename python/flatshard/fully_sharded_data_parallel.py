@@ -17,7 +17,8 @@ This file is the public API; each concern lives in its own private module:
 - ``_state_dict_load``: load_state_dict of all three types
 - ``_optim_state_dict``: optimizer state dicts
 - ``_orig_params``, ``_mixed_precision``, ``_comm_hooks``, ``_rank_guard``, ``_exit``: their features
-- ``_torch_attributes``: torch FSDP1's public attributes (process_group, params, training_state, ...)
+- ``_torch_facade``: torch FSDP1's surface: its attributes (process_group, params, training_state, ...),
+  internals frameworks reach for, and the opt-in that makes torch's class flatshard's, from one table
 - ``_common``: shared names and helpers
 """
 
@@ -54,8 +55,8 @@ from flatshard._common import (
     join,
 )
 from flatshard._state import TrainingState, UnitState
-from flatshard._torch_attributes import TorchAttributes
-from flatshard._torch_internals import missing_attribute
+from flatshard._torch_facade.attributes import TorchAttributes
+from flatshard._torch_facade.internals import missing_attribute
 from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
 from flatshard.api import (
     BackwardPrefetch,
@@ -122,7 +123,7 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
             raise TypeError(
                 f"FullyShardedDataParallel: module: expected an nn.Module but got {type(module).__name__}; pass the "
                 f"model to wrap (FSDP(model)), not a tensor or its parameters.")
-        nn.Module.__init__(self)  # (not super(): see [Note: flatshard as torch's FSDP] in _as_torch.py)
+        nn.Module.__init__(self)  # (not super(): see [Note: flatshard as torch's FSDP] in _torch_facade/opt_in.py)
         ignored_modules, extra_ignored = _construction.split_ignored_states(ignored_modules, ignored_states)
         strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
         if not isinstance(strategy, ShardingStrategy):

@@ -15,9 +15,10 @@ After ``install()`` (``flatshard.install_as_torch_fsdp()``, or
   method of flatshard's class (``__init__`` included) is set on torch's class, so that
   every name bound to it, whenever it was imported, builds and runs flatshard units
   whose type *is* torch's class. Auto-wrapped children are made with ``type(self)``.
-  What torch's class defines and flatshard's does not is replaced by an error that
-  names it (``_torch_internals``), and torch's ``_flat_param`` property is removed
-  (a unit's ``_flat_param`` is the flat parameter flatshard registers on it).
+  What torch's class defines and flatshard's does not is, by the member table
+  ([Note: The member table] in members.py), replaced by an error that names it
+  (``internals.py``) or removed (torch's ``_flat_param`` property: a unit's
+  ``_flat_param`` is the flat parameter flatshard registers on it).
 - flatshard's class calls ``nn.Module``'s methods by name, never ``super()``, so the
   same functions work on both classes.
 - torch's ``torch.distributed.checkpoint.state_dict`` functions and
@@ -44,7 +45,8 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.distributed.fsdp._runtime_utils as torch_runtime_utils
 from torch import nn
 
-from flatshard._common import FLAT_PARAM, is_unit, logger
+from flatshard._common import is_unit, logger
+from flatshard._torch_facade import members
 from flatshard.checkpoint import _state_dict_api
 
 ENV_VAR = "FLATSHARD_AS_TORCH_FSDP"
@@ -96,7 +98,7 @@ def uninstall() -> None:
 
 
 def _patch() -> None:
-    from flatshard._torch_internals import refused_torch_methods
+    from flatshard._torch_facade.internals import refused_torch_methods
     from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
     refused = refused_torch_methods(TorchFSDP, FullyShardedDataParallel)
@@ -104,7 +106,9 @@ def _patch() -> None:
         _set(TorchFSDP, name, value)
     for name, value in refused.items():
         _set(TorchFSDP, name, value)
-    _set(TorchFSDP, FLAT_PARAM, _ABSENT)
+    for name in members.removed_names():  # (torch's _flat_param property: a unit's is the parameter flatshard registers)
+        if name in vars(TorchFSDP):
+            _set(TorchFSDP, name, _ABSENT)
     replacements = {TORCH_ORIGINALS[name]: getattr(_state_dict_api, name)
                     for name in _state_dict_api.TORCH_FUNCTIONS}
     replacements[TORCH_ORIGINALS["_lazy_init"]] = _lazy_init

@@ -1,7 +1,7 @@
 """torch FSDP1 internals that frameworks reach for: the ones flatshard answers, and errors for the rest.
 
 [Note: torch's internals]
-Beyond torch's public attributes (``_torch_attributes.py``), frameworks read some of
+Beyond torch's public attributes (``attributes.py``), frameworks read some of
 FSDP1's private state: verl walks ``model._all_handles`` (after torch's ``_lazy_init``)
 and moves each ``handle.flat_param`` to the host and back (``handle.flat_param_to``,
 ``flat_param._local_shard``); transformers' ``generate()`` and torch.compile look for
@@ -18,12 +18,15 @@ the method, rather than running torch's code over state that is not there.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 from torch import nn
 
+from flatshard._torch_facade import members
+
 # torch FSDP1's private instance state (set by _FSDPState.__init__ and _init_utils), less
-# what flatshard answers (see _torch_attributes.py).
+# what flatshard answers (see attributes.py).
 TORCH_PRIVATE_STATE = frozenset({
     "_all_fsdp_states", "_buffer_name_to_orig_dtype", "_buffer_names", "_comm_hook", "_comm_hook_state",
     "_debug_level", "_device_handle", "_device_mesh", "_exec_order_data", "_free_event_queue", "_fsdp_extension",
@@ -56,15 +59,12 @@ def missing_attribute(unit: nn.Module, name: str) -> AttributeError:
 
 
 def refused_torch_methods(torch_class: type, flatshard_class: type) -> dict[str, Callable]:
-    """For each method torch's FSDP1 class defines and flatshard's does not: one that raises
-    NotImplementedError naming it (set on torch's class under the opt-in)."""
+    """For each method of torch's FSDP1 class that the member table refuses (or does not know), and flatshard's
+    class does not define: one that raises NotImplementedError naming it (set on torch's class under the opt-in;
+    see [Note: The member table])."""
     ours = {name for klass in flatshard_class.__mro__ if klass is not object for name in vars(klass)}
-    refused: dict[str, Callable] = {}
-    for name, value in vars(torch_class).items():
-        if name in ours or name.startswith("__") or not callable(getattr(torch_class, name)):
-            continue
-        refused[name] = _refusing(name, isinstance(value, staticmethod))
-    return refused
+    return {name: _refusing(name, isinstance(inspect.getattr_static(torch_class, name), staticmethod))
+            for name in members.refused_names(torch_class) if name not in ours}
 
 
 def _refusing(name: str, static: bool) -> Callable:
