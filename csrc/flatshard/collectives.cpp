@@ -119,7 +119,7 @@ CommWork track_work(c10::intrusive_ptr<c10d::Work> work) {
 }
 
 // A waiter's wake-up on a future's completion: the callback is added once, at the first wait that
-// would block (i.e. only for the stall hook's slices, see [Note: Stalled waits]), and serves every
+// would block (i.e. only for the stall hook's slices, see [Note: The stall hook] in collectives.h), and serves every
 // later slice of the same wait.
 struct CompletionSignal {
   std::mutex mutex;
@@ -202,7 +202,7 @@ void set_stall_hook(StallHook hook, double first_seconds, double every_seconds) 
 
 void CommWork::wait(const std::string& what) {
   if (!wait_ || waited_) return;
-  if (wait_seconds_) {  // see [Note: Stalled waits]
+  if (wait_seconds_) {  // see [Note: The stall hook] in collectives.h
     StallHook hook;
     double first = 0, every = 0;
     {

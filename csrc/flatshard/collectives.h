@@ -44,7 +44,7 @@ class Interrupted : public std::exception {
   bool exit_;
 };
 
-// [Note: Stalled waits]
+// [Note: The stall hook] (what it is for: [Note: Stalled waits] in python/flatshard/_stall_watch.py)
 // A host wait on a collective that has not completed after `first_seconds` calls the stall hook
 // (set from Python: python/flatshard/_stall_watch.py), then again every `every_seconds`, with
 // what is waited for ("the all-gather of unit 'blocks.3'") and for how long, and once more if the

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 #
 # That still left 1-2 of 60 such exits (tests/test_exit.py) to "terminate called without
 # an active exception" (SIGABRT) later in finalization, from a thread of torch's or gloo's
-# destroyed while joinable (not found; see the session notes). So when an uncaught exception
+# destroyed while joinable (which thread was not found). So when an uncaught exception
 # ended the script (Python has printed its traceback and set sys.last_value; the status will
 # be 1) and collectives were in flight, the exit ends here, with status 1, after flushing
 # stdio and logging: the rest of finalization (and the atexit handlers registered before

@@ -12,12 +12,13 @@ only, or one inside ``no_sync(keep_parameters_unsharded=True)`` after the first,
 checked nor counted; the first backward hook of an iteration (but inside
 ``no_sync(keep_parameters_unsharded=True)``, whose backward gathers nothing); and ``state_dict()``, ``load_state_dict()``, ``summon_full_params()``,
 ``clip_grad_norm_()`` and the optimizer-state-dict functions), every rank exchanges a
-fingerprint of what it is about to do: a fixed-size int64 vector (the phase, how many
+fingerprint of what it is about to do: eight int64 values, Python ints (the phase, how many
 forwards the root ran, grad enabled, inside ``no_sync()``, and a hash of the model as
 wrapped: every unit's name, parameter shapes, dtype, shard factor, strategy, mixed
-precision and offload). The exchange runs over a gloo group of its own (created with the
-root's ranks and timeout at lazy init), so that it only ever meets other guards' exchanges:
-whatever the ranks are doing, the messages pair up and have the same size. It computes the
+precision and offload). The exchange runs over links of the guard's own (a TCP connection
+to each round's partner, made at lazy init; a two-rank gloo group where one cannot be made:
+[Note: The guard's links] in _guard_links.py), so that it only ever meets other guards'
+exchanges: whatever the ranks are doing, the messages pair up and have the same size. It computes the
 elementwise minimum and maximum of the vectors over the ranks by recursive doubling (see
 [Note: The guard's exchange in log W rounds]); they are equal exactly when every rank's vector
 is the same. If any differs, every rank sees it, and all of them gather the
