@@ -21,6 +21,7 @@ from torch import nn
 
 
 from flatshard import _rank_guard
+from flatshard._broadcast import broadcast_from_rank0
 from flatshard._common import check_between_iterations, clean_name, fsdp_modules, is_unit, join
 from flatshard._profiling import collective_range
 from flatshard._runtime import lazy_init
@@ -122,14 +123,7 @@ def optim_state_dict_to_load(
         )
     entries, config = _optim_entries(model, optim, "optim_state_dict_to_load")
     if getattr(config, "rank0_only", False) if from_rank0 is None else from_rank0:
-        if dist.get_rank() == 0:  # on the CPU: pickled tensors would land on rank 0's device
-            optim_state_dict = torch.utils._pytree.tree_map_only(
-                torch.Tensor, lambda t: t.detach().cpu(), optim_state_dict
-            )
-        box = [optim_state_dict if dist.get_rank() == 0 else None]
-        with collective_range("optim_state_dict_to_load broadcast_object_list (rank 0's dict)"):
-            dist.broadcast_object_list(box, src=0)
-        optim_state_dict = box[0]
+        optim_state_dict = broadcast_from_rank0(optim_state_dict, "optim_state_dict_to_load")
     if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict or "param_groups" not in optim_state_dict:
         raise ValueError(
             "FullyShardedDataParallel.optim_state_dict_to_load: expected the dict that "

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as torch_dsd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from flatshard._broadcast import broadcast_from_rank0
 from flatshard._common import clean_name, fsdp_modules, is_unit, join
 from flatshard._optim_state_dict import optim_state_dict, optim_state_dict_to_load
 from flatshard._profiling import collective_range
@@ -137,7 +138,7 @@ def set_model_state_dict(
         return TORCH_FUNCTIONS["set_model_state_dict"](model, model_state_dict, options=options)
     options = _checked(options, None, "set_model_state_dict")
     if options.broadcast_from_rank0:
-        model_state_dict = _broadcast(model_state_dict)
+        model_state_dict = broadcast_from_rank0(model_state_dict, 'set_state_dict')
     with _state_dict_type(model, options):
         return model.load_state_dict(model_state_dict, strict=options.strict)
 
@@ -156,7 +157,7 @@ def set_optimizer_state_dict(
         return TORCH_FUNCTIONS["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
     options = _checked(options, None, "set_optimizer_state_dict")
     if options.full_state_dict and (options.broadcast_from_rank0 or options.cpu_offload):
-        optim_state_dict = _broadcast(optim_state_dict)  # as torch's rank0_only optimizer config: rank 0's
+        optim_state_dict = broadcast_from_rank0(optim_state_dict, 'set_state_dict')  # as torch's rank0_only optimizer config: rank 0's
     groups = list(optim_state_dict.get("param_groups", []))
     wanted = sum(len(o.param_groups) for o in optimizers)
     if len(groups) != wanted:
@@ -255,32 +256,6 @@ def _init_optim_state(optim: torch.optim.Optimizer) -> None:
         if lr is not None:
             group["lr"] = lr
     optim.zero_grad(set_to_none=True)
-
-
-def _broadcast(state: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0's dict on every rank: its structure pickled, then each tensor broadcast on its own (on the
-    default group's device), so no rank ever holds the whole dict pickled in one buffer."""
-    from torch.utils import _pytree as pytree
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    leaves, spec = pytree.tree_flatten(state) if dist.get_rank() == 0 else ([], None)
-    box = [([("tensor", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", t) for t in leaves],
-            pytree.treespec_dumps(spec)) if dist.get_rank() == 0 else None]
-    with collective_range("broadcast_from_rank0 broadcast_object_list (structure)"):
-        dist.broadcast_object_list(box, src=0)
-    described, spec_text = box[0]
-    out = []
-    for i, (kind, *rest) in enumerate(described):
-        if kind == "value":
-            out.append(rest[0])
-            continue
-        shape, dtype = rest
-        tensor = leaves[i].detach().to(device) if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype,
-                                                                                       device=device)
-        with collective_range("broadcast_from_rank0 broadcast"):
-            dist.broadcast(tensor, src=0)
-        out.append(tensor.cpu() if dist.get_rank() != 0 and device.type != "cpu" else tensor)
-    return pytree.tree_unflatten(out, pytree.treespec_loads(spec_text))
 
 
 def _as_tuple(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
