@@ -3,8 +3,9 @@
 The training state ([Note: Unit state] in python/flatshard/_state.py) is read at every
 point of a unit's life: inside its module's forward (FORWARD), after its pre-backward
 (PRE_BACKWARD) and post-backward (POST_BACKWARD) hooks, after the backward (IDLE), inside
-summon_full_params and apply (SUMMONING), and after them (IDLE); a post-backward out of
-turn trips the hooks' assertion.
+summon_full_params and apply (SUMMONING), and after them (IDLE), inside a forward rerun in
+backward by activation checkpointing (PRE_BACKWARD); a hook out of turn raises from the one
+switch, and every hook's allowed states are checked.
 
 Crossings ([Note: One crossing per lifecycle step] in csrc/bindings/bindings.cpp): every
 call of a method, property or function of ``flatshard._C`` (each replaced by a counting
@@ -150,10 +151,49 @@ def _training_states(rank, world_size):
     seen.append(("after summon_full_params", state.training_state))
     model.apply(lambda m: seen.append(("in apply", state.training_state)) if m is block.module else None)
     seen.append(("after apply", state.training_state))
-    # A post-backward out of turn is our bug: the hook asserts.
-    with pytest.raises(AssertionError, match=r"post-backward of unit 'blocks.1' in state TrainingState.IDLE"):
+    # A hook out of turn is flatshard's bug: the one switch raises, naming the unit, the hook and the state.
+    with pytest.raises(RuntimeError, match=r"unit 'blocks.1' reached its post-backward in state IDLE \(expected "
+                                           r"POST_BACKWARD or PRE_BACKWARD\)"):
         _runtime.post_backward(state, _runtime.Use(state), ())
+    assert state.training_state is TrainingState.IDLE
+    # Recomputation: activation checkpointing applied around the unit after wrapping reruns its forward in
+    # backward, where the unit is in PRE_BACKWARD (its gradients come next).
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    block = model.module.blocks[1]
+    state = block._unit_state
+    apply_activation_checkpointing(model, check_fn=lambda m: m is block)
+    block.module.register_forward_pre_hook(lambda *_: seen.append(("in forward, checkpointed", state.training_state)))
+    gpt_loss(model, *local_slice(make_batch(), rank, world_size)).backward()
+    seen.append(("after the backward that recomputed", state.training_state))
     return [(what, s.name) for what, s in seen]
+
+
+def test_every_hook_that_moves_the_training_state_switches_it_through_the_table():
+    """[Note: Unit state]: the state changes in UnitState.switch only, for hooks of the table, each of which
+    refuses a state it does not allow."""
+    import inspect
+    import re
+
+    from flatshard import _full_params, _runtime
+    from flatshard._state import TRANSITIONS, TrainingState, UnitState
+    from flatshard._torch_facade import attributes
+
+    sources = "".join(inspect.getsource(m) for m in (_runtime, _full_params, attributes))
+    assert not re.search(r"training_state\s*=[^=]", sources), "a training state set outside UnitState.switch"
+    assert set(re.findall(r'\.switch\("([^"]+)"\)', sources)) == set(TRANSITIONS)
+    state = UnitState("blocks.0", torch.nn.Linear(1, 1))
+    for hook, (allowed, to) in TRANSITIONS.items():
+        for start in TrainingState:
+            state.training_state = start
+            if start in allowed:
+                state.switch(hook)
+                assert state.training_state is to, hook
+            else:
+                with pytest.raises(RuntimeError, match=rf"unit 'blocks.0' reached its {hook} in state {start.name}"):
+                    state.switch(hook)
+                assert state.training_state is start, hook
 
 
 def test_training_state_at_each_hook():
@@ -163,6 +203,8 @@ def test_training_state_at_each_hook():
         ("after pre-backward", "PRE_BACKWARD"), ("after post-backward", "POST_BACKWARD"),
         ("after backward", "IDLE"), ("in summon_full_params", "SUMMONING"), ("after summon_full_params", "IDLE"),
         ("in apply", "SUMMONING"), ("after apply", "IDLE"),
+        ("in forward, checkpointed", "FORWARD"), ("in forward, checkpointed", "PRE_BACKWARD"),
+        ("after the backward that recomputed", "IDLE"),
     ], seen
 
 

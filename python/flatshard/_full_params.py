@@ -147,7 +147,7 @@ class _Summoned:
 def _expose_full_params(unit: FullyShardedDataParallel, options: _Options) -> _Summoned:
     s = unit._unit_state
     summoned = _Summoned(unit)
-    s.training_state = SUMMONING
+    s.switch("summon")
     handle = s.handle
     if handle is None:
         return summoned
@@ -220,7 +220,7 @@ def _gather_full_grad(s: UnitState) -> torch.Tensor | None:
 def _hide_full_params(summoned: _Summoned, options: _Options) -> None:
     unit = summoned.unit
     s = unit._unit_state
-    s.training_state = IDLE
+    s.switch("end of summon")
     handle = s.handle
     if handle is None:
         return

@@ -302,19 +302,19 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         else:
             set_views(s, views)
 
-    s.training_state = FORWARD
+    s.switch("forward")
     if s.is_root:
         root.in_forward_call = True  # (see summon_full_params)
         try:
             output = s.module(*args, **kwargs)
         finally:
             root.in_forward_call = False
-            s.training_state = IDLE
+            s.switch("end of forward")
     else:
         try:
             output = s.module(*args, **kwargs)
         finally:
-            s.training_state = IDLE
+            s.switch("end of forward")
 
     if handle is not None and grad_enabled and not s.flat_param.requires_grad:
         # A frozen unit has no post-backward: its backward is over once
@@ -385,7 +385,7 @@ def recompute(s: UnitState, args: tuple, kwargs: dict) -> Any:
     """forward() during backward: activation checkpointing reruns this unit (see [Note: Recomputation]).
     The unit is in backward, before its gradients: PRE_BACKWARD."""
     root = s.root
-    s.training_state = PRE_BACKWARD
+    s.switch("recompute")
     # Checkpointing around the root: its first forward ran without grad (and ended the
     # iteration), so no pre-backward queued the end of this backward.
     queue_end_of_backward(root)
@@ -494,7 +494,7 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
     _check_backward_allowed(s)
     queue_end_of_backward(s.root)
     if s.handle is not None:
-        s.training_state = PRE_BACKWARD
+        s.switch("pre-backward")
         ahead = (_backward_prefetch_target(order, index - 1)
                  if s.backward_prefetch == BackwardPrefetch.BACKWARD_PRE else None)
         # Resharded after forward: recomputation needs real views. One crossing (see forward()).
@@ -505,9 +505,7 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
 
 def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]) -> None:
     _check_backward_allowed(s)
-    assert s.training_state is PRE_BACKWARD or s.training_state is POST_BACKWARD, (
-        f"flatshard: post-backward of unit '{s.label}' in state {s.training_state}")
-    s.training_state = POST_BACKWARD
+    s.switch("post-backward")
     use.finish()
     if s.use_orig_params:
         _orig_params.note_grads(s, grads)
@@ -530,7 +528,7 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
 
 
 def frozen_post_backward(s: UnitState, _grads: Any) -> None:
-    s.training_state = POST_BACKWARD
+    s.switch("frozen post-backward")
     if not s.holds_unsharded:
         reshard(s)
 
@@ -553,7 +551,7 @@ def finish_backward(root: RootState) -> None:
     root.scheduler.finish_grad_sync()
     for unit in root.units:
         s = unit._unit_state
-        s.training_state = IDLE
+        s.switch("end of backward")
         if s.handle is not None and not s.holds_unsharded:
             reshard(s)
             if s.use_orig_params and s.sync_gradients:
@@ -572,7 +570,7 @@ def abort_backward(root: RootState) -> None:
     root.scheduler.abort_grad_sync()
     for unit in root.units:
         s = unit._unit_state
-        s.training_state = IDLE
+        s.switch("abort of backward")
         for use in list(s.uses):
             use.finish()
         if s.handle is not None:

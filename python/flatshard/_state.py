@@ -15,15 +15,20 @@ at that one ``RootState`` (``UnitState.root``). Undoing lazy init (``apply()`` o
 that may not be the real root) drops every unit's pointer and ``is_root``: nothing of a
 root survives it, so there is nothing to reset by hand.
 
-``TrainingState`` is the unit's place in the step; the hook entry points switch it
-and assert what may come before them (see [Note: Unit lifecycle] in _runtime.py):
+``TrainingState`` is the unit's place in the step. It changes in one place,
+``UnitState.switch(hook)``, which every hook that moves it calls: ``TRANSITIONS`` says,
+per hook, the states the unit may be in when the hook runs and the one it leaves it in,
+and a hook that finds another raises an error naming the unit, the hook and the state
+(see [Note: Unit lifecycle] in _runtime.py):
   IDLE -> FORWARD -> IDLE                    a forward call
   IDLE -> PRE_BACKWARD -> POST_BACKWARD      each use's backward, in reverse
   POST_BACKWARD -> PRE_BACKWARD              the next use of a unit called twice
   * -> IDLE                                  the root's end of backward (or abort)
   IDLE -> SUMMONING -> IDLE                  summon_full_params, apply, state dicts
 A recomputation (activation checkpointing reruns a forward during backward) puts the
-unit in PRE_BACKWARD: its gradients come next.
+unit in PRE_BACKWARD: its gradients come next. A summon may also find a unit whose
+backward raised (PRE_ or POST_BACKWARD until the next forward drops that backward), and
+a framework's reset (``training_state = IDLE``) any state but SUMMONING.
 """
 
 from __future__ import annotations
@@ -60,6 +65,26 @@ class TrainingState(enum.Enum):
     PRE_BACKWARD = "pre-backward"
     POST_BACKWARD = "post-backward"
     SUMMONING = "summoning"
+
+
+_IN_BACKWARD = frozenset({TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD})
+_ANY = frozenset(TrainingState)
+
+# hook: (the states the unit may be in when the hook runs, the state it leaves the unit in); see [Note: Unit state].
+TRANSITIONS: dict[str, tuple[frozenset[TrainingState], TrainingState]] = {
+    "forward": (frozenset({TrainingState.IDLE}), TrainingState.FORWARD),
+    "end of forward": (frozenset({TrainingState.FORWARD}), TrainingState.IDLE),
+    "recompute": (_IN_BACKWARD, TrainingState.PRE_BACKWARD),
+    "pre-backward": (_IN_BACKWARD, TrainingState.PRE_BACKWARD),
+    "post-backward": (frozenset({TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD}),
+                      TrainingState.POST_BACKWARD),
+    "frozen post-backward": (_IN_BACKWARD, TrainingState.POST_BACKWARD),
+    "end of backward": (_ANY, TrainingState.IDLE),
+    "abort of backward": (_ANY, TrainingState.IDLE),
+    "summon": (_IN_BACKWARD, TrainingState.SUMMONING),
+    "end of summon": (frozenset({TrainingState.SUMMONING}), TrainingState.IDLE),
+    "reset": (_ANY - {TrainingState.SUMMONING}, TrainingState.IDLE),
+}
 
 
 class UnitState:
@@ -176,6 +201,17 @@ class UnitState:
         self.dtensor_mesh: Any = None
         self.loading: dict[str, Any] = {}
         self.plain_state_dict = False
+
+    def switch(self, hook: str) -> None:
+        """The one place a unit's training state changes (see [Note: Unit state]): ``hook`` is a key of
+        ``TRANSITIONS``; a state it does not allow is flatshard's error, raised naming the unit."""
+        allowed, to = TRANSITIONS[hook]
+        if self.training_state not in allowed:
+            raise RuntimeError(
+                f"flatshard: unit '{self.label}' reached its {hook} in state {self.training_state.name} (expected "
+                f"{' or '.join(sorted(s.name for s in allowed))}). This is flatshard's error: please report it with "
+                f"the code that led here.")
+        self.training_state = to
 
     @property
     def label(self) -> str:

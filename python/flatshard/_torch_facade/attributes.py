@@ -107,7 +107,7 @@ class TorchAttributes:
             raise ValueError(f"FullyShardedDataParallel.training_state: only TrainingState.IDLE can be set (a reset), "
                              f"not {value}; flatshard moves a unit through its states itself.")
         if self._unit_state.training_state is not TrainingState.SUMMONING:
-            self._unit_state.training_state = TrainingState.IDLE
+            self._unit_state.switch("reset")
 
     def _assert_state(self, state: TorchTrainingState | list[TorchTrainingState]) -> None:
         """As torch's: raises ValueError unless the unit is in (one of) ``state``."""
