@@ -17,3 +17,56 @@ def test_import_flatshard_leaves_the_planner_until_it_is_used():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["[]", "True True"], done.stdout
+
+
+# The runtime layer (DESIGN.md's "Layers"): what either front-end hands modules to. It imports nothing of a
+# front-end (the FullyShardedDataParallel class's module, torch's facade), except for type annotations.
+RUNTIME = ("_state", "_construction", "_runtime", "_full_params", "_clip_grad_norm", "_host_offload", "_state_dict",
+           "_sharded_state_dict", "_state_dict_load", "_optim_state_dict", "_mixed_precision", "_orig_params",
+           "_comm_hooks", "_rank_guard", "_stall_watch", "_guard_links", "_exit", "_profiling", "_common",
+           "_broadcast", "_stale_optimizer")
+FRONT_ENDS = ("flatshard.fully_sharded_data_parallel", "flatshard._torch_facade")
+
+
+def _imports(path):
+    """(module imported, line, whether only for type checking, whether inside a function) of a source file."""
+    import ast
+
+    tree = ast.parse(open(path).read())
+    found = []
+
+    def visit(node, typing_only, in_function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                visit(child, True, in_function)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, typing_only, True)
+            elif isinstance(child, ast.ImportFrom) and child.module:  # (from flatshard import _runtime: both)
+                found.append((child.module, child.lineno, typing_only, in_function))
+                found.extend((f"{child.module}.{a.name}", child.lineno, typing_only, in_function) for a in child.names)
+            elif isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, typing_only, in_function) for a in child.names)
+            else:
+                visit(child, typing_only, in_function)
+
+    visit(tree, False, False)
+    return found
+
+
+def test_the_runtime_imports_no_front_end_and_hides_no_cycle_in_a_function():
+    import os
+
+    import flatshard
+
+    package = os.path.dirname(flatshard.__file__)
+    problems = []
+    for name in RUNTIME:
+        path = os.path.join(package, f"{name}.py")
+        for module, line, typing_only, in_function in _imports(path):
+            if typing_only or not module.startswith("flatshard"):
+                continue
+            if module.startswith(FRONT_ENDS):
+                problems.append(f"{name}.py:{line} imports {module}, a front-end")
+            elif in_function and module.split(".")[1:2] and module.split(".")[1] in RUNTIME:
+                problems.append(f"{name}.py:{line} imports {module} inside a function (an import cycle hidden?)")
+    assert not problems, "\n".join(problems)

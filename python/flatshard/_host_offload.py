@@ -12,7 +12,7 @@ optimizer's per-parameter tensors move with ``optimizer=``. Units with
 ``CPUOffload(offload_params=True)`` keep their shards on the host already and are left
 alone. While the shards are on the host a forward raises (the model would compute with
 shards copied in at every gather, slowly, and put gradients on the host): move them
-back first. torch FSDP1's ``handle.flat_param_to(device)``, which verl calls unit by
+back first (``_runtime.forward`` checks ``RootState.shards_on_host``, which ``move_shard`` keeps). torch FSDP1's ``handle.flat_param_to(device)``, which verl calls unit by
 unit, reaches ``move_shard`` (see [Note: torch's internals]).
 """
 
@@ -23,6 +23,7 @@ from torch import nn
 
 from flatshard import _C, _orig_params
 from flatshard._common import fsdp_modules
+from flatshard._runtime import after_shard_cast, reshard
 from flatshard._state import UnitState
 
 
@@ -69,8 +70,6 @@ def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -
             f"flatshard: unit '{s.label}' holds a gradient accumulated inside no_sync() that is not reduced yet; "
             f"move the shards after the backward outside no_sync() (and the optimizer step).")
     if s.handle.state != _C.ShardedState.SHARDED:
-        from flatshard._runtime import reshard
-
         reshard(s)
     flat = s.flat_param
     device = torch.device(device)
@@ -83,8 +82,6 @@ def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -
         flat.data = flat.data.to(device, non_blocking=non_blocking)
         if flat.grad is not None:
             flat.grad = flat.grad.to(device, non_blocking=non_blocking)
-    from flatshard._runtime import after_shard_cast
-
     after_shard_cast(s)
     if root is not None:
         root.shards_on_host = any(
@@ -92,14 +89,6 @@ def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -
             and u._unit_state.flat_param.device != u._unit_state.device
             for u in root.units
         )
-
-
-def raise_shards_on_host(s: UnitState) -> None:
-    """A forward with the shards on the host: the error, with the fix."""
-    raise RuntimeError(
-        f"FullyShardedDataParallel: the shards of '{s.label}' are in host memory "
-        f"(flatshard.move_shards_to_host, or torch's handle.flat_param_to): call "
-        f"flatshard.move_shards_to_device(model) before the next forward.")
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, moved: dict[int, torch.device],

@@ -76,7 +76,6 @@ from torch import nn
 from flatshard import _C, _comm_hooks, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch
 from flatshard._common import UsageError, clean_name, in_backward, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
-from flatshard._host_offload import raise_shards_on_host
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import RootState, TrainingState, UnitState
 from flatshard.api import BackwardPrefetch
@@ -265,8 +264,11 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
             s.drop_root()
             lazy_init(unit)
             root = s.root
-        if root.shards_on_host:  # see [Note: Shards on the host]
-            raise_shards_on_host(s)
+        if root.shards_on_host:  # see [Note: Shards on the host] in _host_offload.py
+            raise RuntimeError(
+                f"FullyShardedDataParallel: the shards of '{s.label}' are in host memory "
+                f"(flatshard.move_shards_to_host, or torch's handle.flat_param_to): call "
+                f"flatshard.move_shards_to_device(model) before the next forward.")
         if root.guard is not None:  # see [Note: Rank-divergence guard]
             _guard_forward(root)
         if root.final_callback_queued:
