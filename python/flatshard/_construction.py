@@ -23,6 +23,7 @@ from flatshard.api import ShardingStrategy
 
 if TYPE_CHECKING:
     from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
+    from flatshard._state import UnitState
 
 
 def resolve_groups(
@@ -225,6 +226,42 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
         # dynamo compiles a managed module only with this set (it refuses torch's FSDP1 flat-parameter mode); flatshard
         # hands the modules fresh views at every forward in both modes, which is what it asks for.
         m._fsdp_use_orig_params = True
+    meta_originals = _materialize(s, unit_mods)
+    params, names, local_names, slots = _collect_params(s, unit_mods, ignored_params)
+    s.param_slots = slots
+    s.param_names = names
+    s.param_local_names = local_names
+    s.handle = None
+    _place_and_sync(s, unit_mods, params, names)
+    if not params:
+        return
+    for p, fqn in zip(params, names):
+        setattr(p, OWNER_ATTR, (s.name, fqn))
+        if id(p) in meta_originals:  # other units may still hold the meta original
+            setattr(meta_originals[id(p)], OWNER_ATTR, (s.name, fqn))
+    layout = _build_handle(s, params, local_names)
+    if s.use_orig_params:  # see [Note: Original parameters] in _orig_params.py
+        unit.__dict__[FLAT_PARAM] = s.flat_param
+        s.frozen_indices = ([i for i, p in enumerate(params) if not p.requires_grad] if s.flat_param.requires_grad
+                            else [])
+        if s.frozen_indices and not s.handle.is_replicated:  # reduce the trainable prefix only
+            trainable = len(params) - len(s.frozen_indices)
+            s.handle.set_reduce_prefix(layout.offsets[trainable - 1] + layout.numels[trainable - 1])
+        _orig_params.init(s, params)
+        return
+    unit.register_parameter(FLAT_PARAM, s.flat_param)
+    # The module attributes become plain tensors: views of the unsharded
+    # buffer (storage-less while sharded, see [Note: Unsharded storage]).
+    for m, attr, _ in slots:
+        del m._parameters[attr]
+    for p, fqn in zip(params, names):  # see [Note: An optimizer built before wrapping]
+        setattr(p, REPLACED_ATTR, (s.name, fqn))
+    _stale_optimizer.install()
+
+
+def _materialize(s: UnitState, unit_mods: list[tuple[str, nn.Module]]) -> dict[int, torch.Tensor]:
+    """The unit's tensors off the meta device (``param_init_fn``, or ``reset_parameters()``) and its buffers on
+    its device; {id of a new parameter: the meta original it replaced}."""
     if s.param_init_fn is not None and has_meta(unit_mods):
         meta_originals = materialize_with(s.param_init_fn, unit_mods, s.name)
         if not s.device_id_given:  # as torch: the device param_init_fn chose
@@ -237,11 +274,17 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
         for attr, b in m._buffers.items():
             if b is not None and b.device != s.device:
                 m._buffers[attr] = b.to(s.device)
+    return meta_originals
 
+
+def _collect_params(s: UnitState, unit_mods: list[tuple[str, nn.Module]], ignored_params: set[nn.Parameter],
+                    ) -> tuple[list[nn.Parameter], list[str], list[str], list[tuple[nn.Module, str, int]]]:
+    """The unit's parameters in flat order (a tied one once; with use_orig_params, trainable ones first), their
+    full and local names, and every registration of each as (module, attribute, index into the flat order)."""
     params: list[nn.Parameter] = []
     names: list[str] = []
     local_names: list[str] = []  # relative to this unit's module (its own name may change at lazy init)
-    slots: list[tuple[nn.Module, str, int]] = []  # (module, attribute, index into params)
+    slots: list[tuple[nn.Module, str, int]] = []
     index_of: dict[int, int] = {}
     for prefix, m in unit_mods:
         for attr, p in m._parameters.items():
@@ -255,17 +298,19 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
                 names.append(fqn)
                 local_names.append(join(prefix, attr))
             slots.append((m, attr, index_of[id(p)]))
-
     if s.use_orig_params and len({p.requires_grad for p in params}) > 1:
         # Trainable parameters first, frozen ones after: see [Note: Trainable prefix] in flat_param.h.
         order = sorted(range(len(params)), key=lambda i: not params[i].requires_grad)
         new_index = {old: new for new, old in enumerate(order)}
         params, names, local_names = ([seq[i] for i in order] for seq in (params, names, local_names))
         slots = [(m, attr, new_index[i]) for m, attr, i in slots]
-    s.param_slots = slots
-    s.param_names = names
-    s.param_local_names = local_names
-    s.handle = None
+    return params, names, local_names, slots
+
+
+def _place_and_sync(s: UnitState, unit_mods: list[tuple[str, nn.Module]], params: list[nn.Parameter],
+                    names: list[str]) -> None:
+    """Checks the parameters can share one flat parameter, moves them to the unit's device and, with
+    ``sync_module_states``, broadcasts them and the buffers from the first rank of each group."""
     if params:
         check_uniform(params, names, s.name, mixed_requires_grad=s.use_orig_params)
     if params and params[0].device != s.device:
@@ -277,12 +322,11 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
         for group in (s.process_group, s.replicate_group):
             if group is not None:
                 broadcast_from_first_rank([p.detach() for p in params] + buffers, group)
-    if not params:
-        return
-    for p, fqn in zip(params, names):
-        setattr(p, OWNER_ATTR, (s.name, fqn))
-        if id(p) in meta_originals:  # other units may still hold the meta original
-            setattr(meta_originals[id(p)], OWNER_ATTR, (s.name, fqn))
+
+
+def _build_handle(s: UnitState, params: list[nn.Parameter], local_names: list[str]) -> _C.FlatParamLayout:
+    """The C++ handle (flattened and sharded) and the local shard as an nn.Parameter with torch's marks; the
+    layout."""
     layout = _C.FlatParamLayout([list(p.shape) for p in params], s.shard_factor)
     dtypes = _mixed_precision.flat_param_dtypes(
         s.mixed_precision, params[0].dtype, s.shard_factor == 1, s.offload_params, s.name,
@@ -303,22 +347,7 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
     flat._fqns = list(local_names)
     for p in params:
         p._fsdp_flattened = True
-    if s.use_orig_params:  # see [Note: Original parameters] in _orig_params.py
-        unit.__dict__[FLAT_PARAM] = flat
-        s.frozen_indices = [i for i, p in enumerate(params) if not p.requires_grad] if flat.requires_grad else []
-        if s.frozen_indices and not s.handle.is_replicated:  # reduce the trainable prefix only
-            trainable = len(params) - len(s.frozen_indices)
-            s.handle.set_reduce_prefix(layout.offsets[trainable - 1] + layout.numels[trainable - 1])
-        _orig_params.init(s, params)
-        return
-    unit.register_parameter(FLAT_PARAM, flat)
-    # The module attributes become plain tensors: views of the unsharded
-    # buffer (storage-less while sharded, see [Note: Unsharded storage]).
-    for m, attr, _ in slots:
-        del m._parameters[attr]
-    for p, fqn in zip(params, names):  # see [Note: An optimizer built before wrapping]
-        setattr(p, REPLACED_ATTR, (s.name, fqn))
-    _stale_optimizer.install()
+    return layout
 
 
 def materialize_meta(

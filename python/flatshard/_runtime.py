@@ -96,32 +96,8 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
     A unit that another root initialized as one of its own (a model wrapped again, e.g. for
     inference after training, as torch's FSDP1 allows) is taken over, between iterations; a unit
     that ran as a root itself cannot be nested afterwards (as torch's)."""
-    units = []
-    for name, m in root.named_modules():
-        if is_unit(m):
-            s = m._unit_state
-            if m is not root and s.is_root:
-                raise RuntimeError(
-                    f"Non-root FSDP instance's `_is_root` should not have been set yet or should have been set to "
-                    f"`False`: unit '{clean_name(name)}' ran as a root (its forward was called) before this outer "
-                    f"FSDP module wrapped it; call only the outermost FSDP module's forward."
-                )
-            if s.root is not None and s.root is not root._unit_state.root and s.root.final_callback_queued:
-                raise RuntimeError(
-                    f"FullyShardedDataParallel: unit '{clean_name(name)}' is in a backward of another root; wrap "
-                    f"it again between iterations."
-                )
-            units.append((clean_name(name), m))
+    units = _units_under(root)
     top = root._unit_state
-    for name, unit in units:
-        s = unit._unit_state
-        for attr, what in (("device", "device_id"), ("limit_all_gathers", "limit_all_gathers")):
-            if getattr(s, attr) != getattr(top, attr):
-                raise ValueError(
-                    f"FullyShardedDataParallel: unit '{name}' has {what}={getattr(s, attr)} but its root "
-                    f"has {getattr(top, attr)}; the units of one root share one runtime. Wrap them "
-                    f"with the same {what}."
-                )
     scheduler = _C.Scheduler(top.process_group, top.replicate_group, top.device,
                              all_gather_limit(top.limit_all_gathers))
     # Units over other groups (e.g. experts over an expert group): one pair each; see
@@ -153,6 +129,38 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
     if guard_mode != "off":  # see [Note: Rank-divergence guard]
         root_state.guard = _rank_guard.create(root_state)
         scheduler.set_sequence_check(guard_mode == "strict")
+
+
+def _units_under(root: FullyShardedDataParallel) -> list[tuple[str, FullyShardedDataParallel]]:
+    """Every unit under ``root`` (itself first) with its name, checked: none ran as a root of its own or is in
+    another root's backward, and all share the root's device and all-gather limit (one runtime)."""
+    units = []
+    for name, m in root.named_modules():
+        if is_unit(m):
+            s = m._unit_state
+            if m is not root and s.is_root:
+                raise RuntimeError(
+                    f"Non-root FSDP instance's `_is_root` should not have been set yet or should have been set to "
+                    f"`False`: unit '{clean_name(name)}' ran as a root (its forward was called) before this outer "
+                    f"FSDP module wrapped it; call only the outermost FSDP module's forward."
+                )
+            if s.root is not None and s.root is not root._unit_state.root and s.root.final_callback_queued:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: unit '{clean_name(name)}' is in a backward of another root; wrap "
+                    f"it again between iterations."
+                )
+            units.append((clean_name(name), m))
+    top = root._unit_state
+    for name, unit in units:
+        s = unit._unit_state
+        for attr, what in (("device", "device_id"), ("limit_all_gathers", "limit_all_gathers")):
+            if getattr(s, attr) != getattr(top, attr):
+                raise ValueError(
+                    f"FullyShardedDataParallel: unit '{name}' has {what}={getattr(s, attr)} but its root "
+                    f"has {getattr(top, attr)}; the units of one root share one runtime. Wrap them "
+                    f"with the same {what}."
+                )
+    return units
 
 
 class Use:
@@ -256,90 +264,109 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         return s.module(*args, **kwargs)
     if in_backward():
         return recompute(s, args, kwargs)
+    if s.is_root:
+        _root_pre_forward(unit)
+    args, kwargs = _forward_inputs(s, args, kwargs)
+    grad_enabled = torch.is_grad_enabled()
+    use = _pre_forward(s, grad_enabled)
+    s.switch("forward")
     root = s.root
     if s.is_root:
-        if root.taken_over:  # another root took some of its units over since: take them back
-            if root.final_callback_queued:
-                abort_backward(root)
-            s.drop_root()
-            lazy_init(unit)
-            root = s.root
-        if root.shards_on_host:  # see [Note: Shards on the host] in _host_offload.py
-            raise RuntimeError(
-                f"FullyShardedDataParallel: the shards of '{s.label}' are in host memory "
-                f"(flatshard.move_shards_to_host, or torch's handle.flat_param_to): call "
-                f"flatshard.move_shards_to_device(model) before the next forward.")
-        if root.guard is not None:  # see [Note: Rank-divergence guard]
-            _guard_forward(root)
+        root.in_forward_call = True  # (see summon_full_params)
+    try:
+        output = s.module(*args, **kwargs)
+    finally:
+        if s.is_root:
+            root.in_forward_call = False
+        s.switch("end of forward")
+    return _post_forward(s, use, grad_enabled, (args, kwargs), output)
+
+
+def _root_pre_forward(unit: FullyShardedDataParallel) -> None:
+    """What the root does before its forward, and no other unit: takes its units back from another root,
+    refuses shards on the host, the guard's check, drops a backward that raised, starts the iteration."""
+    s = unit._unit_state
+    root = s.root
+    if root.taken_over:  # another root took some of its units over since: take them back
         if root.final_callback_queued:
             abort_backward(root)
-        if not root.in_iteration:
-            root.in_iteration = True
-            root.prev_pre_forward_order = root.pre_forward_order
-            root.pre_forward_order = []
-            root.post_forward_order = []
-            for u in root.orig_param_units:  # what the user changed since the last iteration
-                _orig_params.writeback(u._unit_state)
-        if s.device.type != "cpu":
-            args, kwargs = to_device((args, kwargs), s.device)
-    if s.forward_input_dtype is not None:  # see flatshard/_mixed_precision.py
+        s.drop_root()
+        lazy_init(unit)
+        root = s.root
+    if root.shards_on_host:  # see [Note: Shards on the host] in _host_offload.py
+        raise RuntimeError(
+            f"FullyShardedDataParallel: the shards of '{s.label}' are in host memory "
+            f"(flatshard.move_shards_to_host, or torch's handle.flat_param_to): call "
+            f"flatshard.move_shards_to_device(model) before the next forward.")
+    if root.guard is not None:  # see [Note: Rank-divergence guard]
+        _guard_forward(root)
+    if root.final_callback_queued:
+        abort_backward(root)
+    if not root.in_iteration:
+        root.in_iteration = True
+        root.prev_pre_forward_order = root.pre_forward_order
+        root.pre_forward_order = []
+        root.post_forward_order = []
+        for u in root.orig_param_units:  # what the user changed since the last iteration
+            _orig_params.writeback(u._unit_state)
+
+
+def _forward_inputs(s: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs of a unit's forward (and of its recomputation): the root's moved to its device, and cast to
+    the forward's input dtype (see flatshard/_mixed_precision.py)."""
+    if s.is_root and s.device.type != "cpu":
+        args, kwargs = to_device((args, kwargs), s.device)
+    if s.forward_input_dtype is not None:
         args, kwargs = cast_floating(s.forward_input_dtype, (args, kwargs))
-    handle = s.handle
-    grad_enabled = torch.is_grad_enabled()
-    scheduler = root.scheduler
+    return args, kwargs
+
+
+def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
+    """The unit's parameters unsharded and on its modules, as views autograd tracks through a new use if its
+    gradients will be computed (that use, else None)."""
+    root = s.root
     position = len(root.pre_forward_order)
     root.pre_forward_order.append(s)
-    use = None
-    if handle is not None:
-        # Waiting first lets the backend drop its temporaries for this
-        # all-gather before the next one is issued (on devices with
-        # events the wait only orders streams: no overlap is lost).
-        # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
-        ahead = _handle_at(root.prev_pre_forward_order, position + 1) if s.forward_prefetch else None
-        views = scheduler.wait_for_unshard(handle, ahead, views=True)
-        flat = s.flat_param
-        if grad_enabled and flat.requires_grad:
-            use = Use(s)
-            set_views(s, _UnshardedViews.apply(s, use, flat, views))
-        else:
-            set_views(s, views)
+    handle = s.handle
+    if handle is None:
+        return None
+    # Waiting first lets the backend drop its temporaries for this all-gather before the next one is issued (on
+    # devices with events the wait only orders streams: no overlap is lost).
+    # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
+    ahead = _handle_at(root.prev_pre_forward_order, position + 1) if s.forward_prefetch else None
+    views = root.scheduler.wait_for_unshard(handle, ahead, views=True)
+    flat = s.flat_param
+    if not (grad_enabled and flat.requires_grad):
+        set_views(s, views)
+        return None
+    use = Use(s)
+    set_views(s, _UnshardedViews.apply(s, use, flat, views))
+    return use
 
-    s.switch("forward")
-    if s.is_root:
-        root.in_forward_call = True  # (see summon_full_params)
-        try:
-            output = s.module(*args, **kwargs)
-        finally:
-            root.in_forward_call = False
-            s.switch("end of forward")
-    else:
-        try:
-            output = s.module(*args, **kwargs)
-        finally:
-            s.switch("end of forward")
 
-    if handle is not None and grad_enabled and not s.flat_param.requires_grad:
-        # A frozen unit has no post-backward: its backward is over once
-        # its inputs' gradients are computed.
-        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-        if inputs:
-            torch.autograd.graph.register_multi_grad_hook(
-                inputs, functools.partial(frozen_post_backward, s), mode="all"
-            )
-    if handle is not None and (
-        not grad_enabled
-        or (
-            s.reshard_after_forward
-            and not s.is_root
-            and not s.holds_unsharded
-            and not s.replicated  # nothing to free: keep the views for backward
-        )
-    ):
+def _frees_after_forward(s: UnitState) -> bool:
+    """Whether a unit's forward (or its rerun in the whole model's recomputation) ends by resharding: its
+    strategy reshards after forward, no_sync(keep_parameters_unsharded=True) does not hold it, and there is
+    something to free (a replicated unit keeps its views for backward)."""
+    return s.handle is not None and s.reshard_after_forward and not s.holds_unsharded and not s.replicated
+
+
+def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any, output: Any) -> Any:
+    """After a unit's forward: a frozen unit's end of backward hooked, the unit resharded (without grad,
+    always; else as its strategy says; the root keeps its parameters for the backward that starts there),
+    without grad the iteration ended at the root, else the use's pre-backward hooked to the output."""
+    root = s.root
+    if s.handle is not None and grad_enabled and not s.flat_param.requires_grad:
+        # A frozen unit has no post-backward: its backward is over once its inputs' gradients are computed.
+        tensors = [t for t in tensors_in(inputs) if t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(frozen_post_backward, s),
+                                                          mode="all")
+    if s.handle is not None and (not grad_enabled or (_frees_after_forward(s) and not s.is_root)):
         reshard(s)
     if not grad_enabled:
         if s.is_root:
-            # No backward follows: end the iteration with nothing unsharded
-            # (forward-prefetched units included).
+            # No backward follows: end the iteration with nothing unsharded (forward-prefetched units included).
             root.in_iteration = False
             for u in root.units:
                 us = u._unit_state
@@ -351,8 +378,8 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
     order.append(s)
     if use is not None:
         use.order, use.index = order, index
-    # The hook keeps the order and the index, not the use: only the views'
-    # node may keep a use alive (a node that cannot run is no pending use).
+    # The hook keeps the order and the index, not the use: only the views' node may keep a use alive (a node
+    # that cannot run is no pending use).
     _hook_outputs(output, functools.partial(pre_backward, s, order, index))
     return output
 
@@ -391,10 +418,7 @@ def recompute(s: UnitState, args: tuple, kwargs: dict) -> Any:
     # Checkpointing around the root: its first forward ran without grad (and ended the
     # iteration), so no pre-backward queued the end of this backward.
     queue_end_of_backward(root)
-    if s.is_root and s.device.type != "cpu":  # as in its first forward
-        args, kwargs = to_device((args, kwargs), s.device)
-    if s.forward_input_dtype is not None:
-        args, kwargs = cast_floating(s.forward_input_dtype, (args, kwargs))
+    args, kwargs = _forward_inputs(s, args, kwargs)  # as in its first forward
     handle = s.handle
     if handle is not None:
         hand_out_views(s, root.scheduler.wait_for_unshard(handle, None, views=True))
@@ -406,13 +430,7 @@ def recompute(s: UnitState, args: tuple, kwargs: dict) -> Any:
         finally:
             root.recomputing = False
     output = s.module(*args, **kwargs)
-    if (
-        root.recomputing
-        and handle is not None
-        and s.reshard_after_forward
-        and not s.holds_unsharded
-        and not s.replicated
-    ):
+    if root.recomputing and _frees_after_forward(s):
         # Rerunning the whole model must not hold every unit unsharded at once: reshard as
         # the first forward did. Before any of this unit's backward runs, its pre-backward
         # gathers it again, through the hook of its first forward (non-reentrant
