@@ -157,6 +157,10 @@ def _ctrl_c_in_a_stalled_wait(rank, world_size):
         _until_watched(0, "collective", "forward", 2, looks=1)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Ctrl-C in a terminal reaches Python's handler; a test command started in the background (nohup, a CI
+    # runner) may have SIGINT ignored, and every process it starts inherits that: put the terminal's back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     threading.Thread(target=interrupt_when_stalled, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         _step(model, opt, 1, rank, world_size)
