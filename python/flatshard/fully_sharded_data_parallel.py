@@ -16,10 +16,20 @@ This file is the public API; each concern lives in its own private module:
 - ``_sharded_state_dict``: SHARDED and LOCAL state dicts (ShardedTensors, DTensors)
 - ``_state_dict_load``: load_state_dict of all three types
 - ``_optim_state_dict``: optimizer state dicts
-- ``_orig_params``, ``_mixed_precision``, ``_comm_hooks``, ``_rank_guard``, ``_exit``: their features
+- ``_broadcast``: rank 0's state dict on every rank, tensor by tensor
+- ``_host_offload``: moving the shards (and the optimizer's state) to host memory and back
+- ``_orig_params``: use_orig_params (the original parameters as views of the shard)
+- ``_mixed_precision``: MixedPrecision's dtypes, casts and gradient division
+- ``_comm_hooks``: register_comm_hook's hooks in the reduction
+- ``_rank_guard`` (and ``_guard_links``, its links): ranks about to run different collectives raise
+- ``_stall_watch``: waits that can never complete raise on every rank
+- ``_stale_optimizer``: an optimizer built before wrapping is refused by name
+- ``_exit``: the interpreter's exit with collectives in flight
+- ``_profiling``: the profiler ranges of collectives and waits
 - ``_torch_facade``: torch FSDP1's surface: its attributes (process_group, params, training_state, ...),
   internals frameworks reach for, and the opt-in that makes torch's class flatshard's, from one table
-- ``_common``: shared names and helpers
+- ``_common``: shared names and helpers; ``api``: torch's enums and configs; ``wrap``: auto-wrap policies
+- ``checkpoint/``: get/set_state_dict, crash-safe save and load, streaming export; ``plan/``: the planner
 """
 
 from __future__ import annotations
