@@ -135,7 +135,7 @@ def main(argv):
         from _dist import run_distributed
 
         for world_size in sizes:
-            for cases in run_distributed(_gloo_rank, world_size, timeout=300):
+            for cases in run_distributed(_gloo_rank, world_size, timeout=600):
                 for case in cases:
                     print(json.dumps(case), flush=True)
         return
