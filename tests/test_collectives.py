@@ -23,7 +23,7 @@ def _unit(rank: int, world_size: int):
 
     layout = _C.FlatParamLayout(SHAPES, world_size)
     params = [torch.zeros(s) for s in SHAPES]
-    return _C.FlatParam("probe", layout, rank, params, predivide=float(world_size)), layout  # the average over W
+    return _C.FlatParamHandle("probe", layout, rank, params, predivide=float(world_size)), layout  # the average over W
 
 
 def _grads(rank: int) -> list[torch.Tensor]:

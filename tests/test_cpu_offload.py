@@ -7,7 +7,7 @@ for bit, the same optimizer state dict keys, and parameters and gradients on the
 
 What this test does and does not exercise: on this CPU-only machine the shards' "host"
 and "device" are the same memory. The compute device is the CPU, so each unit's
-``FlatParam`` turns offload off (csrc/flatshard/flat_param.cpp: "On a CPU-only run the
+``FlatParamHandle`` turns offload off (csrc/flatshard/flat_param.cpp: "On a CPU-only run the
 host is the compute device"; ``handle.offload`` reads False) and trains exactly as
 without it; torch's FSDP1 refuses offload here altogether, so there is no torch oracle.
 What is checked is the option's plumbing and the numerics with it set: ``cpu_offload``

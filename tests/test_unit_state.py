@@ -19,6 +19,7 @@ pre-backward <= 2, post-backward exactly 1.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import contextlib
 import functools
 
@@ -49,7 +50,7 @@ def _counting_crossings():
         return wrapper
 
     replaced = []
-    for owner in (_C.Scheduler, _C.FlatParam, _C.FlatParamLayout, _C):
+    for owner in (_C.Scheduler, _C.FlatParamHandle, _C.FlatParamLayout, _C):
         for name, attr in list(vars(owner).items()):
             if name.startswith("__") or isinstance(attr, type):
                 continue
@@ -183,7 +184,7 @@ def test_every_hook_that_moves_the_training_state_switches_it_through_the_table(
     sources = "".join(inspect.getsource(m) for m in (_runtime, _full_params, attributes))
     assert not re.search(r"training_state\s*=[^=]", sources), "a training state set outside UnitState.switch"
     assert set(re.findall(r'\.switch\("([^"]+)"\)', sources)) == set(TRANSITIONS)
-    state = UnitState("blocks.0", torch.nn.Linear(1, 1))
+    state = UnitState("blocks.0", torch.nn.Linear(1, 1), None, torch.device("cpu"))  # (no config needed here)
     for hook, (allowed, to) in TRANSITIONS.items():
         for start in TrainingState:
             state.training_state = start
@@ -223,3 +224,48 @@ def _backward_inside_summon(rank, world_size):
 def test_backward_inside_summon_is_a_usage_error():
     """A user's misuse reaches the hooks' state checks as an error naming it, not as our assertion."""
     assert run_distributed(_backward_inside_summon, 2) == [True, True]
+
+
+def _configurations(rank, world_size):
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    found = {}
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    configs = [u._unit_state.config for u in FSDP.fsdp_modules(model)]
+    found["units"] = len(configs)
+    found["one object"] = all(c is configs[0] for c in configs)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        configs[0].world_size = 3
+
+    gpt = make_gpt()
+    first = gpt.blocks[0]
+    policy = CustomPolicy(lambda m: {"sharding_strategy": ShardingStrategy.NO_SHARD} if m is first
+                          else isinstance(m, Block))
+    model = FSDP(gpt, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    root = model._unit_state.config
+    overridden = gpt.blocks[0]._unit_state.config
+    others = [b._unit_state.config for b in gpt.blocks[1:]]
+    found["others share the root's"] = all(c is root for c in others)
+    found["override"] = (overridden is not root, overridden.sharding_strategy.name, overridden.shard_factor,
+                         overridden.process_group is root.process_group, overridden.device_id == root.device_id)
+
+    bad = CustomPolicy(lambda m: {"sharding_strategy": ShardingStrategy.NO_SHARD, "auto_wrap_policy": None,
+                                  "_unit_name": "x"} if isinstance(m, Block) else False)
+    with pytest.raises(ValueError) as raised:
+        FSDP(make_gpt(), auto_wrap_policy=bad, device_id=torch.device("cpu"))
+    found["unknown override"] = str(raised.value)
+    return found
+
+
+def test_one_configuration_per_wrap_call_and_a_copy_per_override():
+    """[Note: Unit configuration]: the units one call makes share its frozen UnitConfig; a CustomPolicy's
+    overrides give that unit a copy resolved again (the parent's groups reused); an override that is no
+    constructor argument is refused by name."""
+    found = run_distributed(_configurations, 2)[0]
+    assert found["units"] == 4 and found["one object"], found
+    assert found["others share the root's"], found
+    assert found["override"] == (True, "NO_SHARD", 1, True, True), found
+    assert "the overrides for Block name ['_unit_name', 'auto_wrap_policy']" in found["unknown override"], found

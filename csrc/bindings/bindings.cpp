@@ -11,7 +11,7 @@
 #include "flatshard/scheduler.h"
 
 namespace py = pybind11;
-using flatshard::FlatParam;
+using flatshard::FlatParamHandle;
 using flatshard::FlatParamLayout;
 using flatshard::Scheduler;
 
@@ -63,17 +63,17 @@ PYBIND11_MODULE(_C, m) {
       "flatten",
       [](const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout) {
         TORCH_CHECK(!tensors.empty(), "flatshard.flatten: expected at least one tensor");
-        return FlatParam::flatten(tensors, layout, tensors.front().options());
+        return FlatParamHandle::flatten(tensors, layout, tensors.front().options());
       },
       py::arg("tensors"), py::arg("layout"));
-  m.def("views_of", &FlatParam::views_of, py::arg("flat"), py::arg("layout"));
+  m.def("views_of", &FlatParamHandle::views_of, py::arg("flat"), py::arg("layout"));
 
   py::enum_<flatshard::ShardedState>(m, "ShardedState")
       .value("SHARDED", flatshard::ShardedState::kSharded)
       .value("UNSHARDING", flatshard::ShardedState::kUnsharding)
       .value("UNSHARDED", flatshard::ShardedState::kUnsharded);
 
-  py::class_<FlatParam>(m, "FlatParam", "One unit's storage: local shard and unsharded buffer.")
+  py::class_<FlatParamHandle>(m, "FlatParamHandle", "One unit's storage: local shard and unsharded buffer.")
       .def(py::init([](std::string name, FlatParamLayout layout, std::int64_t rank,
                        const std::vector<at::Tensor>& params, std::optional<c10::Device> compute_device,
                        std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
@@ -81,61 +81,61 @@ PYBIND11_MODULE(_C, m) {
                        bool all_reduce_replicas) {
              flatshard::FlatParamOptions options{compute_device, param_dtype, reduce_dtype, grad_dtype, offload,
                                                  predivide, postdivide, all_reduce_replicas};
-             return std::make_unique<FlatParam>(std::move(name), std::move(layout), rank, params, options);
+             return std::make_unique<FlatParamHandle>(std::move(name), std::move(layout), rank, params, options);
            }),
            py::arg("name"), py::arg("layout"), py::arg("rank"), py::arg("params"), py::kw_only(),
            py::arg("compute_device") = py::none(), py::arg("param_dtype") = py::none(),
            py::arg("reduce_dtype") = py::none(), py::arg("grad_dtype") = py::none(), py::arg("offload") = false,
            py::arg("predivide") = 1.0, py::arg("postdivide") = 1.0, py::arg("all_reduce_replicas") = false,
            "See [Note: Mixed precision and offload] in csrc/flatshard/flat_param.h.")
-      .def_property("name", &FlatParam::name, &FlatParam::set_name)
-      .def_property_readonly("layout", &FlatParam::layout)
-      .def_property_readonly("rank", &FlatParam::rank)
-      .def_property("group_index", &FlatParam::group_index, &FlatParam::set_group_index)
-      .def_property_readonly("local_shard", &FlatParam::local_shard)
-      .def("set_local_shard", &FlatParam::set_local_shard, py::arg("param"))
-      .def("after_shard_cast", &FlatParam::after_shard_cast)
-      .def_property_readonly("unsharded", &FlatParam::unsharded)
-      .def_property_readonly("state", &FlatParam::state)
-      .def("views", &FlatParam::views)
-      .def_property_readonly("placeholder_views", &FlatParam::placeholder_views)
-      .def("has_unsharded_storage", &FlatParam::has_unsharded_storage)
-      .def_property_readonly("unsharded_nbytes", &FlatParam::unsharded_nbytes)
-      .def_property_readonly("is_replicated", &FlatParam::is_replicated)
-      .def_property_readonly("has_own_unsharded", &FlatParam::has_own_unsharded)
-      .def_property_readonly("compute_device", &FlatParam::compute_device)
-      .def_property_readonly("param_dtype", &FlatParam::param_dtype)
-      .def_property_readonly("reduce_dtype", &FlatParam::reduce_dtype)
-      .def_property_readonly("offload", &FlatParam::offload)
-      .def_property_readonly("predivide", &FlatParam::predivide)
-      .def_property_readonly("postdivide", &FlatParam::postdivide)
-      .def_property_readonly("all_reduce_replicas", &FlatParam::all_reduce_replicas)
+      .def_property("name", &FlatParamHandle::name, &FlatParamHandle::set_name)
+      .def_property_readonly("layout", &FlatParamHandle::layout)
+      .def_property_readonly("rank", &FlatParamHandle::rank)
+      .def_property("group_index", &FlatParamHandle::group_index, &FlatParamHandle::set_group_index)
+      .def_property_readonly("local_shard", &FlatParamHandle::local_shard)
+      .def("set_local_shard", &FlatParamHandle::set_local_shard, py::arg("param"))
+      .def("after_shard_cast", &FlatParamHandle::after_shard_cast)
+      .def_property_readonly("unsharded", &FlatParamHandle::unsharded)
+      .def_property_readonly("state", &FlatParamHandle::state)
+      .def("views", &FlatParamHandle::views)
+      .def_property_readonly("placeholder_views", &FlatParamHandle::placeholder_views)
+      .def("has_unsharded_storage", &FlatParamHandle::has_unsharded_storage)
+      .def_property_readonly("unsharded_nbytes", &FlatParamHandle::unsharded_nbytes)
+      .def_property_readonly("is_replicated", &FlatParamHandle::is_replicated)
+      .def_property_readonly("has_own_unsharded", &FlatParamHandle::has_own_unsharded)
+      .def_property_readonly("compute_device", &FlatParamHandle::compute_device)
+      .def_property_readonly("param_dtype", &FlatParamHandle::param_dtype)
+      .def_property_readonly("reduce_dtype", &FlatParamHandle::reduce_dtype)
+      .def_property_readonly("offload", &FlatParamHandle::offload)
+      .def_property_readonly("predivide", &FlatParamHandle::predivide)
+      .def_property_readonly("postdivide", &FlatParamHandle::postdivide)
+      .def_property_readonly("all_reduce_replicas", &FlatParamHandle::all_reduce_replicas)
       .def_property_readonly(
           "collective_bytes",
-          [](const FlatParam& unit) {
-            const auto& b = unit.collective_bytes();
+          [](const FlatParamHandle& handle) {
+            const auto& b = handle.collective_bytes();
             py::dict out;
-            out["all_gather"] = b[FlatParam::kGathered];
-            out["reduce_scatter"] = b[FlatParam::kReduceScattered];
-            out["all_reduce"] = b[FlatParam::kAllReduced];
-            out["replica_all_reduce"] = b[FlatParam::kReplicaAllReduced];
+            out["all_gather"] = b[FlatParamHandle::kGathered];
+            out["reduce_scatter"] = b[FlatParamHandle::kReduceScattered];
+            out["all_reduce"] = b[FlatParamHandle::kAllReduced];
+            out["replica_all_reduce"] = b[FlatParamHandle::kReplicaAllReduced];
             return out;
           },
           "Input bytes of this unit's collectives per kind since the last reset (see [Note: Collective byte "
           "counters]).")
-      .def("reset_collective_bytes", &FlatParam::reset_collective_bytes)
+      .def("reset_collective_bytes", &FlatParamHandle::reset_collective_bytes)
       .def(
           "accumulate_grad",
-          [](FlatParam& self, const std::vector<std::optional<at::Tensor>>& grads) {
+          [](FlatParamHandle& self, const std::vector<std::optional<at::Tensor>>& grads) {
             self.accumulate_grad(undefined_for_none(grads));
           },
           py::arg("grads"))
-      .def("has_unsharded_grad", &FlatParam::has_unsharded_grad)
-      .def("set_reduce_prefix", &FlatParam::set_reduce_prefix, py::arg("numel"))
-      .def_property_readonly("reduce_prefix", &FlatParam::reduce_prefix)
-      .def("take_unsharded_grad", &FlatParam::take_unsharded_grad)
-      .def("drop_unsharded_grad", &FlatParam::drop_unsharded_grad)
-      .def_property_readonly("unsharded_grad", &FlatParam::unsharded_grad);
+      .def("has_unsharded_grad", &FlatParamHandle::has_unsharded_grad)
+      .def("set_reduce_prefix", &FlatParamHandle::set_reduce_prefix, py::arg("numel"))
+      .def_property_readonly("reduce_prefix", &FlatParamHandle::reduce_prefix)
+      .def("take_unsharded_grad", &FlatParamHandle::take_unsharded_grad)
+      .def("drop_unsharded_grad", &FlatParamHandle::drop_unsharded_grad)
+      .def_property_readonly("unsharded_grad", &FlatParamHandle::unsharded_grad);
 
   py::class_<Scheduler>(m, "Scheduler", "Stream-ordered collectives shared by the units of one root.")
       .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& shard_group,
@@ -160,7 +160,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("rank", &Scheduler::rank)
       .def_property_readonly("world_size", &Scheduler::world_size)
       .def_property_readonly("has_events", &Scheduler::has_events)
-      .def("unshard", &Scheduler::unshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
+      .def("unshard", &Scheduler::unshard, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
       // [Note: One crossing per lifecycle step]
       // The per-unit hot path crosses into C++ once per step of a unit's lifecycle:
       // pre-forward and pre-backward are wait_for_unshard (with the prefetch and the
@@ -168,44 +168,44 @@ PYBIND11_MODULE(_C, m) {
       // and the reshard after forward is reshard. tests/test_unit_state.py counts them.
       .def(
           "wait_for_unshard",
-          [](Scheduler& self, FlatParam& unit, FlatParam* prefetch, bool views) -> py::object {
+          [](Scheduler& self, FlatParamHandle& handle, FlatParamHandle* prefetch, bool views) -> py::object {
             {
               py::gil_scoped_release no_gil;
-              self.wait_for_unshard(unit);
+              self.wait_for_unshard(handle);
               if (prefetch != nullptr) self.unshard(*prefetch);
             }
             if (!views) return py::none();
-            return py::cast(unit.views());
+            return py::cast(handle.views());
           },
-          py::arg("unit"), py::arg("prefetch") = nullptr, py::arg("views") = false,
-          "Waits for `unit`'s all-gather (issuing it first if needed), then issues `prefetch`'s (a no-op "
+          py::arg("handle"), py::arg("prefetch") = nullptr, py::arg("views") = false,
+          "Waits for `handle`'s all-gather (issuing it first if needed), then issues `prefetch`'s (a no-op "
           "unless it is sharded); returns the unit's views of its unsharded buffer with `views`, else None.")
-      .def("reshard", &Scheduler::reshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
-      .def("reduce_grad", &Scheduler::reduce_grad, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
+      .def("reshard", &Scheduler::reshard, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
+      .def("reduce_grad", &Scheduler::reduce_grad, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
       .def(
           "post_backward",
-          [](Scheduler& self, FlatParam& unit, const std::vector<std::optional<at::Tensor>>& grads, bool reduce,
-             bool reshard, FlatParam* prefetch) {
+          [](Scheduler& self, FlatParamHandle& handle, const std::vector<std::optional<at::Tensor>>& grads, bool reduce,
+             bool reshard, FlatParamHandle* prefetch) {
             std::vector<at::Tensor> defined = undefined_for_none(grads);
             py::gil_scoped_release no_gil;
-            const bool resharded = self.post_backward(unit, defined, reduce, reshard);
+            const bool resharded = self.post_backward(handle, defined, reduce, reshard);
             if (prefetch != nullptr) self.unshard(*prefetch);
             return resharded;
           },
-          py::arg("unit"), py::arg("grads"), py::arg("reduce"), py::arg("reshard"), py::arg("prefetch") = nullptr,
+          py::arg("handle"), py::arg("grads"), py::arg("reduce"), py::arg("reshard"), py::arg("prefetch") = nullptr,
           "Scheduler::post_backward, then issues `prefetch`'s all-gather (a no-op unless it is sharded); returns "
           "whether the unit was resharded.")
       .def(
           "count_sharded",
-          [](const Scheduler&, const std::vector<FlatParam*>& units) {
+          [](const Scheduler&, const std::vector<FlatParamHandle*>& handles) {
             std::int64_t n = 0;
-            for (const FlatParam* unit : units) n += unit->state() == flatshard::ShardedState::kSharded;
+            for (const FlatParamHandle* handle : handles) n += handle->state() == flatshard::ShardedState::kSharded;
             return n;
           },
-          py::arg("units"), "How many of `units` are sharded (one crossing for the whole list).")
-      .def("gather_full_precision", &Scheduler::gather_full_precision, py::arg("unit"),
+          py::arg("handles"), "How many of `handles` are sharded (one crossing for the whole list).")
+      .def("gather_full_precision", &Scheduler::gather_full_precision, py::arg("handle"),
            py::call_guard<py::gil_scoped_release>())
-      .def("accumulate_reduced_grad", &Scheduler::accumulate_reduced_grad, py::arg("unit"), py::arg("grad_shard"),
+      .def("accumulate_reduced_grad", &Scheduler::accumulate_reduced_grad, py::arg("handle"), py::arg("grad_shard"),
            py::call_guard<py::gil_scoped_release>())
       .def("finish_grad_sync", &Scheduler::finish_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def("abort_grad_sync", &Scheduler::abort_grad_sync, py::call_guard<py::gil_scoped_release>())

@@ -47,7 +47,7 @@ void MemoryCounter::add(std::int64_t bytes) {
   }
 }
 
-at::Tensor FlatParam::flatten(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout,
+at::Tensor FlatParamHandle::flatten(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout,
                               const at::TensorOptions& options) {
   TORCH_CHECK(static_cast<std::int64_t>(tensors.size()) == layout.num_params(),
               "flatshard.flatten: expected ", layout.num_params(), " tensors but got ",
@@ -78,7 +78,7 @@ at::Tensor FlatParam::flatten(const std::vector<at::Tensor>& tensors, const Flat
   return flat;
 }
 
-std::vector<at::Tensor> FlatParam::views_of(const at::Tensor& flat, const FlatParamLayout& layout) {
+std::vector<at::Tensor> FlatParamHandle::views_of(const at::Tensor& flat, const FlatParamLayout& layout) {
   TORCH_CHECK(flat.dim() == 1 && flat.numel() == layout.padded_numel(),
               "flatshard.views_of: expected a 1-D tensor of ", layout.padded_numel(),
               " elements but got shape ", shape_str(flat.sizes()));
@@ -90,7 +90,7 @@ std::vector<at::Tensor> FlatParam::views_of(const at::Tensor& flat, const FlatPa
   return views;
 }
 
-FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank,
+FlatParamHandle::FlatParamHandle(std::string name, FlatParamLayout layout, std::int64_t rank,
                      const std::vector<at::Tensor>& params, const FlatParamOptions& opts)
     : name_(std::move(name)),
       layout_(std::move(layout)),
@@ -129,7 +129,7 @@ FlatParam::FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank
   make_buffers();
 }
 
-void FlatParam::make_buffers() {
+void FlatParamHandle::make_buffers() {
   const at::TensorOptions options = local_shard_.options().requires_grad(false);
   const at::TensorOptions compute = options.device(compute_device_).dtype(param_dtype_);
   casts_ = local_shard_.device() != compute_device_ || param_dtype_ != local_shard_.scalar_type();
@@ -161,7 +161,7 @@ void FlatParam::make_buffers() {
   set_name(name_);  // also gives the placeholders their error message
 }
 
-void FlatParam::set_state(ShardedState next) {
+void FlatParamHandle::set_state(ShardedState next) {
   const auto allowed = [&] {
     switch (state_) {
       case ShardedState::kSharded:
@@ -179,7 +179,7 @@ void FlatParam::set_state(ShardedState next) {
   state_ = next;
 }
 
-void FlatParam::after_shard_cast() {
+void FlatParamHandle::after_shard_cast() {
   TORCH_CHECK(state_ != ShardedState::kUnsharding && !has_unsharded_storage() && !unsharded_grad_.defined(),
               "flatshard: unit '", name_, "': its dtype can only change between iterations (it is unsharded now); "
               "cast the model before training or between steps.");
@@ -189,7 +189,7 @@ void FlatParam::after_shard_cast() {
   make_buffers();
 }
 
-void FlatParam::set_name(std::string name) {
+void FlatParamHandle::set_name(std::string name) {
   name_ = std::move(name);
   const std::string suffix = name_.empty() ? std::string() : " " + name_;
   all_gather_range_ = "flatshard::all_gather" + suffix;
@@ -209,11 +209,11 @@ void FlatParam::set_name(std::string name) {
   }
 }
 
-FlatParam::~FlatParam() {
+FlatParamHandle::~FlatParamHandle() {
   if (unsharded_.defined()) free_unsharded();
 }
 
-void FlatParam::set_reduce_prefix(std::int64_t numel) {
+void FlatParamHandle::set_reduce_prefix(std::int64_t numel) {
   TORCH_CHECK(numel == -1 || (numel > 0 && numel <= layout_.unpadded_numel()), "flatshard: unit '", name_,
               "': a trainable prefix of ", numel, " elements for ", layout_.unpadded_numel());
   TORCH_CHECK(!unsharded_grad_.defined(), "flatshard: unit '", name_,
@@ -221,7 +221,7 @@ void FlatParam::set_reduce_prefix(std::int64_t numel) {
   reduce_prefix_ = numel;
 }
 
-void FlatParam::accumulate_grad(const std::vector<at::Tensor>& grads) {
+void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
   TORCH_CHECK(static_cast<std::int64_t>(grads.size()) == layout_.num_params(), "flatshard: unit '",
               name_, "': expected ", layout_.num_params(), " gradients but got ", grads.size());
   if (reduce_prefix_ >= 0) {  // see [Note: Trainable prefix]
@@ -250,7 +250,7 @@ void FlatParam::accumulate_grad(const std::vector<at::Tensor>& grads) {
   }
 }
 
-at::Tensor FlatParam::take_unsharded_grad() {
+at::Tensor FlatParamHandle::take_unsharded_grad() {
   TORCH_INTERNAL_ASSERT(unsharded_grad_.defined(), "flatshard: unit '", name_,
                         "' has no unsharded gradient to reduce");
   at::Tensor grad = std::exchange(unsharded_grad_, at::Tensor());
@@ -258,7 +258,7 @@ at::Tensor FlatParam::take_unsharded_grad() {
   return grad.scalar_type() == reduce_dtype_ ? grad : grad.to(reduce_dtype_);
 }
 
-void FlatParam::set_local_shard(const at::Tensor& param) {
+void FlatParamHandle::set_local_shard(const at::Tensor& param) {
   TORCH_CHECK(param.defined() && param.is_alias_of(local_shard_) &&
                   param.numel() == local_shard_.numel(),
               "flatshard: unit '", name_,
@@ -266,23 +266,23 @@ void FlatParam::set_local_shard(const at::Tensor& param) {
   local_shard_ = param;
 }
 
-bool FlatParam::has_unsharded_storage() const {
+bool FlatParamHandle::has_unsharded_storage() const {
   return has_own_unsharded() && unsharded_.storage().nbytes() > 0;
 }
 
 
-std::int64_t FlatParam::unsharded_nbytes() const {
+std::int64_t FlatParamHandle::unsharded_nbytes() const {
   return layout_.padded_numel() * static_cast<std::int64_t>(unsharded_.element_size());
 }
 
-void FlatParam::alloc_unsharded() {
+void FlatParamHandle::alloc_unsharded() {
   if (!has_own_unsharded() || has_unsharded_storage() || layout_.padded_numel() == 0) return;
   resize_storage(unsharded_.storage().unsafeGetStorageImpl(),
                  static_cast<std::size_t>(unsharded_nbytes()));
   MemoryCounter::add(unsharded_nbytes());
 }
 
-void FlatParam::free_unsharded() {
+void FlatParamHandle::free_unsharded() {
   if (!has_unsharded_storage()) return;
   resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
   MemoryCounter::add(-unsharded_nbytes());
@@ -296,17 +296,17 @@ at::Tensor on_device(const at::Tensor& shard, const c10::Device& device) {
 }
 }  // namespace
 
-at::Tensor FlatParam::all_gather_input() {
+at::Tensor FlatParamHandle::all_gather_input() {
   if (!casts_) return local_shard_.detach();
   all_gather_input_ = on_device(local_shard_, compute_device_).to(param_dtype_);
   return all_gather_input_;
 }
 
-void FlatParam::copy_shard_into_unsharded() {
+void FlatParamHandle::copy_shard_into_unsharded() {
   all_gather_target_.copy_(on_device(local_shard_, compute_device_));
 }
 
-void FlatParam::accumulate_grad_shard(const at::Tensor& shard_grad) {
+void FlatParamHandle::accumulate_grad_shard(const at::Tensor& shard_grad) {
   if (!offload_) {
     add_into_grad(shard_grad);
     return;
@@ -319,12 +319,12 @@ void FlatParam::accumulate_grad_shard(const at::Tensor& shard_grad) {
   host_grads_.push_back(std::move(host));
 }
 
-void FlatParam::add_offloaded_grads() {
+void FlatParamHandle::add_offloaded_grads() {
   for (at::Tensor& host : host_grads_) add_into_grad(host);
   host_grads_.clear();
 }
 
-void FlatParam::add_into_grad(const at::Tensor& grad_shard) {
+void FlatParamHandle::add_into_grad(const at::Tensor& grad_shard) {
   at::Tensor& grad = local_shard_.mutable_grad();
   const c10::ScalarType full = local_shard_.scalar_type();
   if (!grad.defined()) {

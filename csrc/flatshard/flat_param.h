@@ -1,5 +1,5 @@
 #pragma once
-// FlatParam: one unit's parameter storage.
+// FlatParamHandle: one unit's parameter storage.
 //
 // Contract: movable, not copyable, not thread-safe (the scheduler drives it from
 // the thread that runs forward and backward). It owns
@@ -111,17 +111,17 @@ struct FlatParamOptions {
   bool all_reduce_replicas = false;  // hybrid sharding: the shard is then all-reduced over the replicate group
 };
 
-class FlatParam {
+class FlatParamHandle {
  public:
   // Flattens `params` (which must match layout's shapes, share one dtype and
   // device) and keeps `rank`'s shard as a fresh tensor. Throws c10::Error
   // naming the parameter when a shape does not match the layout, or naming
   // the option when a dtype is not floating point.
-  FlatParam(std::string name, FlatParamLayout layout, std::int64_t rank,
+  FlatParamHandle(std::string name, FlatParamLayout layout, std::int64_t rank,
             const std::vector<at::Tensor>& params, const FlatParamOptions& options = {});
-  ~FlatParam();
-  FlatParam(const FlatParam&) = delete;
-  FlatParam& operator=(const FlatParam&) = delete;
+  ~FlatParamHandle();
+  FlatParamHandle(const FlatParamHandle&) = delete;
+  FlatParamHandle& operator=(const FlatParamHandle&) = delete;
 
   // Concatenates `tensors` into one padded 1-D tensor laid out as `layout`
   // says; gaps and the right padding are zero. Undefined tensors count as zeros.

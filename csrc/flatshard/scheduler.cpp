@@ -22,7 +22,7 @@ bool device_has_events(const c10::Device& device) { return device.type() != c10:
 
 // Waits for `work`; a failure (a peer gone, the group's timeout) is thrown again naming the
 // unit and the collective, as the same kind of error (c10::DistBackendError stays one).
-void wait_for(CommWork& work, const FlatParam& unit, const std::string& what) {
+void wait_for(CommWork& work, const FlatParamHandle& unit, const std::string& what) {
   try {
     work.wait("the " + what + " of unit '" + (unit.name().empty() ? "<root>" : unit.name()) + "'");
   } catch (const RankDivergence&) {
@@ -112,7 +112,7 @@ std::int64_t Scheduler::add_groups(Collectives shard, std::optional<Collectives>
   return static_cast<std::int64_t>(groups_.size()) - 1;
 }
 
-Scheduler::GroupPair& Scheduler::groups_of(const FlatParam& unit) {
+Scheduler::GroupPair& Scheduler::groups_of(const FlatParamHandle& unit) {
   const std::int64_t index = unit.group_index();
   TORCH_CHECK(index >= 0 && index < static_cast<std::int64_t>(groups_.size()), "flatshard: unit '", unit.name(),
               "' has group index ", index, " but the scheduler has ", groups_.size(), " group pairs");
@@ -145,7 +145,7 @@ void Scheduler::reap_completed_reductions() {
   }
 }
 
-void Scheduler::unshard(FlatParam& unit) {
+void Scheduler::unshard(FlatParamHandle& unit) {
   reap_completed_reductions();
   if (unit.state() != ShardedState::kSharded) return;
   if (!unit.has_own_unsharded()) {
@@ -170,7 +170,7 @@ void Scheduler::unshard(FlatParam& unit) {
     // Cast and copied to the device here, on this stream (see [Note: Mixed precision and offload]).
     at::Tensor input = unit.all_gather_input();
     check_sequence(groups_of(unit).shard, unit, "all_gather", input.nbytes());
-    unit.count_collective(FlatParam::kGathered, static_cast<std::int64_t>(input.nbytes()));
+    unit.count_collective(FlatParamHandle::kGathered, static_cast<std::int64_t>(input.nbytes()));
     work = std::make_shared<CommWork>(groups_of(unit).shard.all_gather(output, input));
   }
   if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
@@ -178,7 +178,7 @@ void Scheduler::unshard(FlatParam& unit) {
   unit.set_state(ShardedState::kUnsharding);
 }
 
-void Scheduler::wait_for_unshard(FlatParam& unit) {
+void Scheduler::wait_for_unshard(FlatParamHandle& unit) {
   if (unit.state() == ShardedState::kUnsharded) return;
   if (unit.state() == ShardedState::kSharded) unshard(unit);
   if (unit.state() == ShardedState::kUnsharded) return;  // replicated
@@ -197,7 +197,7 @@ void Scheduler::wait_for_unshard(FlatParam& unit) {
   unit.set_state(ShardedState::kUnsharded);
 }
 
-void Scheduler::reshard(FlatParam& unit) {
+void Scheduler::reshard(FlatParamHandle& unit) {
   if (unit.state() == ShardedState::kSharded) return;
   if (!unit.has_own_unsharded()) {
     unit.set_state(ShardedState::kSharded);
@@ -224,7 +224,7 @@ void Scheduler::reshard(FlatParam& unit) {
   }
 }
 
-void Scheduler::reduce_grad(FlatParam& unit) {
+void Scheduler::reduce_grad(FlatParamHandle& unit) {
   const double predivide = unit.predivide();
   const bool all_reduce_replicas = unit.all_reduce_replicas();
   GroupPair& groups = groups_of(unit);
@@ -242,20 +242,20 @@ void Scheduler::reduce_grad(FlatParam& unit) {
     if (groups.shard.size() > 1) {
       RECORD_USER_SCOPE(unit.all_reduce_range());
       check_sequence(groups.shard, unit, "all_reduce", record.grad_shard.nbytes());
-      unit.count_collective(FlatParam::kAllReduced, static_cast<std::int64_t>(record.grad_shard.nbytes()));
+      unit.count_collective(FlatParamHandle::kAllReduced, static_cast<std::int64_t>(record.grad_shard.nbytes()));
       record.shard_work = groups.shard.all_reduce_sum(record.grad_shard);
     }
   } else if (unit.reduce_prefix() >= 0) {  // see [Note: Trainable prefix] in flat_param.h
     RECORD_USER_SCOPE(unit.all_reduce_range());
     check_sequence(groups.shard, unit, "all_reduce of the trainable prefix", record.flat_grad.nbytes());
-    unit.count_collective(FlatParam::kAllReduced, static_cast<std::int64_t>(record.flat_grad.nbytes()));
+    unit.count_collective(FlatParamHandle::kAllReduced, static_cast<std::int64_t>(record.flat_grad.nbytes()));
     record.prefix_only = true;
     record.shard_work = groups.shard.all_reduce_sum(record.flat_grad);
   } else {
     RECORD_USER_SCOPE(unit.reduce_scatter_range());
     record.grad_shard = at::empty({unit.layout().shard_numel()}, record.flat_grad.options());
     check_sequence(groups.shard, unit, "reduce_scatter", record.flat_grad.nbytes());
-    unit.count_collective(FlatParam::kReduceScattered, static_cast<std::int64_t>(record.flat_grad.nbytes()));
+    unit.count_collective(FlatParamHandle::kReduceScattered, static_cast<std::int64_t>(record.flat_grad.nbytes()));
     record.shard_work = groups.shard.reduce_scatter_sum(record.grad_shard, record.flat_grad);
     // The collective holds the input itself (gloo) and drops it when done,
     // rather than when the host next completes reductions.
@@ -264,7 +264,7 @@ void Scheduler::reduce_grad(FlatParam& unit) {
   reductions_.push_back(std::move(record));
 }
 
-bool Scheduler::post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce,
+bool Scheduler::post_backward(FlatParamHandle& unit, const std::vector<at::Tensor>& grads, bool reduce,
                               bool reshard_unit) {
   if (reduce) while (!reductions_.empty()) complete_shard_reduction();
   // Every use's backward ran: the parameters go before the flat gradient comes.
@@ -300,7 +300,7 @@ void Scheduler::complete_shard_reduction() {
     c10::StreamGuard stream_guard(all_reduce_stream_);
     RECORD_USER_SCOPE(record.unit->all_reduce_range());
     check_sequence(*replicate, *record.unit, "replica all_reduce", record.grad_shard.nbytes());
-    record.unit->count_collective(FlatParam::kReplicaAllReduced, static_cast<std::int64_t>(record.grad_shard.nbytes()));
+    record.unit->count_collective(FlatParamHandle::kReplicaAllReduced, static_cast<std::int64_t>(record.grad_shard.nbytes()));
     record.replica_work = replicate->all_reduce_sum(record.grad_shard);
   }
   replica_reductions_.push_back(std::move(record));
@@ -321,7 +321,7 @@ void Scheduler::complete_replica_reduction() {
   stream_wait(current_stream(), all_reduce_stream_);
 }
 
-void Scheduler::accumulate_reduced_grad(FlatParam& unit, const at::Tensor& grad_shard) {
+void Scheduler::accumulate_reduced_grad(FlatParamHandle& unit, const at::Tensor& grad_shard) {
   TORCH_CHECK(grad_shard.numel() == (unit.is_replicated() ? unit.layout().padded_numel() : unit.layout().shard_numel()),
               "flatshard: unit '", unit.name(), "': a communication hook's output has ", grad_shard.numel(),
               " elements but the gradient shard has ",
@@ -330,7 +330,7 @@ void Scheduler::accumulate_reduced_grad(FlatParam& unit, const at::Tensor& grad_
   if (unit.has_offloaded_grads()) offloaded_.insert(&unit);
 }
 
-at::Tensor Scheduler::gather_full_precision(FlatParam& unit) {
+at::Tensor Scheduler::gather_full_precision(FlatParamHandle& unit) {
   const at::Tensor& shard = unit.local_shard();
   at::Tensor input = shard.detach().to(unit.compute_device());
   if (unit.is_replicated()) return counted(input.data_ptr() == shard.data_ptr() ? input.clone() : input);
@@ -351,11 +351,11 @@ void Scheduler::finish_grad_sync() {
   // See [Note: Mixed precision and offload]: the copies were issued on the
   // all-reduce stream, which the current stream waited for; one wait for all.
   current_stream().synchronize();
-  for (FlatParam* unit : offloaded_) unit->add_offloaded_grads();
+  for (FlatParamHandle* unit : offloaded_) unit->add_offloaded_grads();
   offloaded_.clear();
 }
 
-void Scheduler::check_sequence(Collectives& group, const FlatParam& unit, const char* op, std::size_t bytes) {
+void Scheduler::check_sequence(Collectives& group, const FlatParamHandle& unit, const char* op, std::size_t bytes) {
   if (!sequence_check_ || group.size() < 2) return;
   std::int64_t& count = sequence_[group.group().get()];
   ++count;
@@ -424,7 +424,7 @@ void Scheduler::abort_grad_sync() {
     queue->clear();
   }
   for (auto& [unit, work] : all_gathers_) wait_for(*work, *unit, "all-gather");
-  for (FlatParam* unit : offloaded_) unit->drop_offloaded_grads();
+  for (FlatParamHandle* unit : offloaded_) unit->drop_offloaded_grads();
   offloaded_.clear();
   stream_wait(current_stream(), reduce_scatter_stream_);
   stream_wait(current_stream(), all_reduce_stream_);

@@ -12,9 +12,9 @@
 // [Note: Who owns the units]
 // The scheduler borrows the FlatParams it is handed: its pending records (the
 // all-gathers in flight, the reductions in flight) point at them and it owns
-// none. Their owner is Python: each unit's state holds its FlatParam, and the
+// none. Their owner is Python: each unit's state holds its FlatParamHandle, and the
 // root's RootState holds both this scheduler and every unit of the root, so
-// every FlatParam the scheduler can reach lives at least as long as the
+// every FlatParamHandle the scheduler can reach lives at least as long as the
 // scheduler's use of it. A record is dropped when its collective completed
 // (wait_for_unshard, reshard, finish_grad_sync, abort_grad_sync); the
 // destructor drops what is left without dereferencing any unit.
@@ -83,7 +83,7 @@ class Scheduler {
   std::int64_t rank() const { return groups_.front().shard.rank(); }
   std::int64_t world_size() const { return groups_.front().shard.size(); }
   // [Note: Groups per unit]
-  // Every unit's collectives run over its own group pair (FlatParam::group_index),
+  // Every unit's collectives run over its own group pair (FlatParamHandle::group_index),
   // still from this one scheduler, in one program order: ranks that share a group
   // issue its collectives in the same order because they run the same units in
   // the same order. Returns the new pair's index.
@@ -95,16 +95,16 @@ class Scheduler {
   // unless the unit is sharded (safe to call twice, e.g. prefetch then
   // pre-forward); a replicated unit (shard factor 1) just becomes unsharded.
   // May block in the rate limiter (see [Note: Rate limiter]).
-  void unshard(FlatParam& unit);
+  void unshard(FlatParamHandle& unit);
   // Makes the unsharded buffer usable on the current stream: blocks the host
   // until the all-gather completes (CPU), or makes the current stream wait
   // (devices with events). Issues the all-gather first if it was not. Safe to
   // call twice.
-  void wait_for_unshard(FlatParam& unit);
+  void wait_for_unshard(FlatParamHandle& unit);
   // Frees the unsharded buffer. If an all-gather into it is still in flight,
   // blocks until it completes first. Safe to call twice.
-  void reshard(FlatParam& unit);
-  // Takes the unit's unsharded flat gradient (FlatParam::accumulate_grad) and
+  void reshard(FlatParamHandle& unit);
+  // Takes the unit's unsharded flat gradient (FlatParamHandle::accumulate_grad) and
   // issues its reduction: reduce-scatter over the shard group (all-reduce if
   // the unit is replicated), then, with `all_reduce_replicas`, all-reduce of
   // the shard over the replicate group. The gradient is divided by
@@ -114,7 +114,7 @@ class Scheduler {
   // completes the previous reduction, which may block.
   // The divide factors and the replica all-reduce are the unit's own
   // (FlatParamOptions).
-  void reduce_grad(FlatParam& unit);
+  void reduce_grad(FlatParamHandle& unit);
   // A unit's post-backward in one call: with `reshard_unit` (no use of the
   // unit is left in this backward), reshards it first; accumulates `grads`
   // (one per original parameter, undefined for none) into its unsharded flat
@@ -122,18 +122,18 @@ class Scheduler {
   // (reduce_grad), after completing the previous one, so that the parameters
   // and that reduction's buffers are gone before new ones are allocated. May
   // block on that reduction. Returns whether the unit was resharded.
-  bool post_backward(FlatParam& unit, const std::vector<at::Tensor>& grads, bool reduce, bool reshard_unit);
+  bool post_backward(FlatParamHandle& unit, const std::vector<at::Tensor>& grads, bool reduce, bool reshard_unit);
   // The whole flat parameter in the shard's own (full) precision on the
   // compute device, for summon_full_params and state dicts of units that
   // compute in another dtype or keep their shard on the host: a fresh tensor,
   // all-gathered (copied when replicated) on the current stream, counted by
   // MemoryCounter until freed. Collective for sharded units; blocks the host
   // until done on the CPU.
-  at::Tensor gather_full_precision(FlatParam& unit);
+  at::Tensor gather_full_precision(FlatParamHandle& unit);
   // A gradient shard reduced outside the scheduler (a communication hook, on
   // the current stream) into the unit's `.grad`, as the scheduler's own
   // reductions are (cast, keep_low_precision_grads, offload).
-  void accumulate_reduced_grad(FlatParam& unit, const at::Tensor& grad_shard);
+  void accumulate_reduced_grad(FlatParamHandle& unit, const at::Tensor& grad_shard);
   // Waits for every pending reduction and writes the gradient shards (to the
   // host for offloaded units, waiting for those copies). Blocks.
   void finish_grad_sync();
@@ -169,7 +169,7 @@ class Scheduler {
 
  private:
   struct PendingReduction {
-    FlatParam* unit;
+    FlatParamHandle* unit;
     at::Tensor flat_grad;   // reduction input, held until the reduction completed
     at::Tensor grad_shard;  // reduction output
     CommWork shard_work;    // reduce-scatter (or all-reduce) over the shard group
@@ -195,7 +195,7 @@ class Scheduler {
     Collectives shard;
     std::optional<Collectives> replicate;
   };
-  GroupPair& groups_of(const FlatParam& unit);
+  GroupPair& groups_of(const FlatParamHandle& unit);
   std::vector<GroupPair> groups_;  // see [Note: Groups per unit]
   c10::Device device_;
   bool has_events_;
@@ -205,13 +205,13 @@ class Scheduler {
   c10::Stream all_reduce_stream_;      // lets the replica all-reduce overlap the next reduce-scatter
   RateLimiter limiter_;
   // Shared so that the limiter's fences can watch them weakly.
-  std::unordered_map<const FlatParam*, std::shared_ptr<CommWork>> all_gathers_;
+  std::unordered_map<const FlatParamHandle*, std::shared_ptr<CommWork>> all_gathers_;
   std::deque<PendingReduction> reductions_;          // shard-group stage, at most one
   std::deque<PendingReduction> replica_reductions_;  // replicate-group stage, at most one
   // Offloaded units whose reduced gradient waits for the end of backward to reach the host.
-  std::unordered_set<FlatParam*> offloaded_;
+  std::unordered_set<FlatParamHandle*> offloaded_;
   // See [Note: Collective sequence check]; counts per process group.
-  void check_sequence(Collectives& group, const FlatParam& unit, const char* op, std::size_t bytes);
+  void check_sequence(Collectives& group, const FlatParamHandle& unit, const char* op, std::size_t bytes);
   bool sequence_check_ = false;
   std::unordered_map<const void*, std::int64_t> sequence_;
 };

@@ -31,7 +31,7 @@ def clip_grad_norm(unit: FullyShardedDataParallel, max_norm: float | int, norm_t
         if s.handle is None:
             continue
         managed.add(id(s.flat_param))
-        if s.use_orig_params:  # gradients as the user left them, into the flat gradient
+        if s.config.use_orig_params:  # gradients as the user left them, into the flat gradient
             _orig_params.writeback(s)
             managed.update(id(p) for p in s.orig_params)
         if s.flat_param.grad is not None:
@@ -39,7 +39,7 @@ def clip_grad_norm(unit: FullyShardedDataParallel, max_norm: float | int, norm_t
     replicated += [p.grad for p in unit.parameters() if id(p) not in managed and p.grad is not None]
     grads = sharded + replicated
     if not grads and root.sharded_handles:  # as torch's FSDP1 (frameworks filter on this text)
-        warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {top.rank} with no gradients -- returning the total "
+        warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {top.config.rank} with no gradients -- returning the total "
                       f"norm in the default dtype {torch.float32}", stacklevel=3)
     dtype = grads[0].dtype if grads else torch.float32
     for g in grads[1:]:
@@ -56,10 +56,10 @@ def clip_grad_norm(unit: FullyShardedDataParallel, max_norm: float | int, norm_t
     shard_part, replicated_part = local(sharded), local(replicated)
     with collective_range("clip_grad_norm_ all_reduce"):
         if norm_type == math.inf:
-            dist.all_reduce(shard_part, op=dist.ReduceOp.MAX, group=top.process_group)
+            dist.all_reduce(shard_part, op=dist.ReduceOp.MAX, group=top.config.process_group)
             total = torch.maximum(shard_part, replicated_part)
         else:
-            dist.all_reduce(shard_part, group=top.process_group)
+            dist.all_reduce(shard_part, group=top.config.process_group)
             total = (shard_part + replicated_part) ** (1.0 / norm_type)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     for g in grads:

@@ -38,10 +38,10 @@ def register(root: FullyShardedDataParallel, state: object, hook: Callable) -> N
         raise ValueError(f"FullyShardedDataParallel.register_comm_hook: expected a callable hook but got {hook!r}")
     states = [u._unit_state for u in root._unit_state.root.units]
     for s in states:
-        if s.sharding_strategy in HYBRID:
+        if s.config.sharding_strategy in HYBRID:
             raise UsageError(
                 f"FullyShardedDataParallel.register_comm_hook: unit '{s.label}' uses "
-                f"{s.sharding_strategy}, which takes no communication hook (as torch's FSDP); use "
+                f"{s.config.sharding_strategy}, which takes no communication hook (as torch's FSDP); use "
                 f"FULL_SHARD, SHARD_GRAD_OP or NO_SHARD."
             )
         if s.comm_hook is not None:

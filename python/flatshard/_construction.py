@@ -8,159 +8,31 @@ lifecycle it starts).
 from __future__ import annotations
 
 import os
-import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from flatshard import _C, _mixed_precision, _orig_params, _stale_optimizer
-from flatshard._common import FLAT_PARAM, HYBRID, OWNER_ATTR, is_unit, join
+from flatshard._common import FLAT_PARAM, OWNER_ATTR, is_unit, join
 from flatshard._stale_optimizer import REPLACED_ATTR
 from flatshard._profiling import collective_range
-from flatshard.api import ShardingStrategy
 
 if TYPE_CHECKING:
     from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
     from flatshard._state import UnitState
 
 
-def resolve_groups(
-    process_group: Any, device_mesh: Any, strategy: ShardingStrategy
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """(shard group, replicate group or None) from torch's process_group/device_mesh arguments."""
-    hybrid = strategy in HYBRID
-    if device_mesh is not None:
-        if process_group is not None:
-            raise ValueError(
-                "FullyShardedDataParallel: expected process_group or device_mesh but got both; pass one."
-            )
-        if hybrid:
-            if device_mesh.ndim != 2:
-                raise ValueError(
-                    f"FullyShardedDataParallel: {strategy}: expected a 2-D device_mesh (replicate, shard) "
-                    f"but got {device_mesh.ndim} dimensions"
-                )
-            return device_mesh.get_group(mesh_dim=1), device_mesh.get_group(mesh_dim=0)
-        if device_mesh.ndim != 1:
-            raise ValueError(
-                f"FullyShardedDataParallel: {strategy}: expected a 1-D device_mesh but got "
-                f"{device_mesh.ndim} dimensions; 2-D meshes are for HYBRID_SHARD"
-            )
-        return device_mesh.get_group(), None
-    if isinstance(process_group, tuple):
-        if not hybrid:
-            raise ValueError(
-                f"FullyShardedDataParallel: a (shard_group, replicate_group) process_group is for "
-                f"HYBRID_SHARD or HYBRID_SHARD_ZERO2 but sharding_strategy is {strategy}; pass one group."
-            )
-        if len(process_group) != 2:
-            raise ValueError(
-                f"FullyShardedDataParallel: process_group: expected (shard_group, replicate_group) but got "
-                f"a tuple of {len(process_group)}"
-            )
-        return process_group[0], process_group[1]
-    if hybrid:
-        if process_group is not None:
-            raise ValueError(
-                f"FullyShardedDataParallel: {strategy} needs a (shard_group, replicate_group) tuple or a "
-                f"2-D device_mesh, not one process group; or pass neither to shard within each host."
-            )
-        return per_host_groups()
-    return (process_group if process_group is not None else dist.group.WORLD), None
-
-
-def per_host_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Hybrid default: shard within each host, replicate across hosts (every rank builds every group)."""
-    world = dist.get_world_size()
-    rank = dist.get_rank()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or (
-        torch.cuda.device_count() if torch.cuda.is_available() else world
-    )
-    if local < 1 or world % local:
-        raise ValueError(
-            f"FullyShardedDataParallel: hybrid sharding per host: expected the world size {world} to be a "
-            f"multiple of the ranks per host ({local}); pass process_group=(shard_group, replicate_group)."
-        )
-    shard = replicate = None
-    for start in range(0, world, local):
-        group = dist.new_group(list(range(start, start + local)))
-        if start <= rank < start + local:
-            shard = group
-    for offset in range(local):
-        group = dist.new_group(list(range(offset, world, local)))
-        if rank % local == offset:
-            replicate = group
-    return shard, replicate
-
-
-def resolve_device(device_id: int | torch.device | None, module: nn.Module, unit_name: str) -> torch.device:
-    if device_id is None:
-        real = [t.device for t in [*module.parameters(), *module.buffers()] if t.device.type != "meta"]
-        if real:
-            return real[0]
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    if isinstance(device_id, str):  # "cpu", "cuda", "cuda:1", as torch accepts
-        try:
-            device_id = torch.device(device_id)
-        except RuntimeError as e:
-            raise ValueError(f"FullyShardedDataParallel: device_id: {device_id!r} is not a device: {e}") from None
-    if isinstance(device_id, torch.device):
-        if device_id.type == "cuda" and device_id.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
+def unit_device(device_id: torch.device | None, module: nn.Module) -> torch.device:
+    """Where a unit computes and keeps its storage: ``device_id``, else where its module's tensors are (the
+    first not on the meta device), else the current CUDA device or the CPU (see [Note: Unit configuration])."""
+    if device_id is not None:
         return device_id
-    raise ValueError(
-        f"FullyShardedDataParallel: device_id: expected an int, a str, a torch.device or None but got "
-        f"{device_id!r}"
-    )
-
-
-def split_ignored_states(
-    ignored_modules: Iterable[nn.Module] | None, ignored_states: Iterable[Any] | None
-) -> tuple[Iterable[nn.Module] | None, set[nn.Parameter]]:
-    """torch's ``ignored_states``: all parameters (ignored one by one) or all modules (as
-    ``ignored_modules``). Returns (ignored modules, ignored parameters)."""
-    if ignored_states is None:
-        return ignored_modules, set()
-    if ignored_modules is not None:  # (torch's message)
-        raise ValueError(
-            "Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states."
-        )
-    states = list(ignored_states)
-    if all(isinstance(s, nn.Parameter) for s in states):
-        return None, set(states)
-    if all(isinstance(s, nn.Module) for s in states):
-        return states, set()
-    raise ValueError(
-        f"ignored_states expects all nn.Parameter or all nn.Module list elements but got types "
-        f"{sorted({type(s) for s in states}, key=repr)}"
-    )
-
-
-def expand_ignored(ignored_modules: Iterable[nn.Module] | None, root: nn.Module) -> set[nn.Module]:
-    if ignored_modules is None:
-        return set()
-    out: set[nn.Module] = set()
-    ignored_modules = list(ignored_modules)
-    if not all(isinstance(m, nn.Module) for m in ignored_modules):  # (torch's message)
-        raise ValueError(f"ignored_modules expects nn.Module list elements but got types "
-                         f"{sorted({type(m) for m in ignored_modules}, key=repr)}")
-    for m in ignored_modules:
-        if is_unit(m):
-            raise ValueError("`ignored_modules` should not include FSDP modules: pass the plain modules to ignore.")
-        out.update(m.modules())
-    if root in out:
-        # As torch: allowed, with a warning; the unit then owns no parameter (nothing is sharded).
-        warnings.warn(
-            f"Trying to ignore the top-level module passed into the FSDP constructor itself will result in all "
-            f"parameters being ignored and is not well-supported: {type(root).__name__}. Every parameter of it is "
-            f"left unsharded on every rank, as plain module state: ignore its submodules instead, or do not wrap it.",
-            stacklevel=3,
-        )
-    return out
+    real = [t.device for t in [*module.parameters(), *module.buffers()] if t.device.type != "meta"]
+    if real:
+        return real[0]
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def parent_slots(root: nn.Module) -> dict[nn.Module, tuple[nn.Module, str]]:
@@ -211,23 +83,18 @@ def all_gather_limit(limit_all_gathers: bool) -> int:
     return limit
 
 
-def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored: set[nn.Module],
-                     ignored_params: set[nn.Parameter]) -> None:
-    """Collects the unit's parameters, materializes and moves them, flattens and shards.
+def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module) -> None:
+    """Collects the unit's parameters, materializes and moves them, flattens and shards, registers.
 
     Sets the unit state's ``param_slots``, ``param_names``, ``param_local_names``,
     ``handle`` (None for a unit without parameters of its own) and ``flat_param``
     (the local shard, registered as the unit's ``_flat_param`` unless use_orig_params).
     """
     s = unit._unit_state
-    unit_mods = list(unit_modules(module, ignored))
-    for _, m in unit_mods:  # torch's marks, read by transformers' generate() and torch.compile ([Note: torch's internals])
-        m._is_fsdp_managed_module = True
-        # dynamo compiles a managed module only with this set (it refuses torch's FSDP1 flat-parameter mode); flatshard
-        # hands the modules fresh views at every forward in both modes, which is what it asks for.
-        m._fsdp_use_orig_params = True
+    unit_mods = list(unit_modules(module, s.config.ignored_modules))
+    _mark_managed(unit_mods)
     meta_originals = _materialize(s, unit_mods)
-    params, names, local_names, slots = _collect_params(s, unit_mods, ignored_params)
+    params, names, local_names, slots = _collect_params(s, unit_mods, s.config.ignored_params)
     s.param_slots = slots
     s.param_names = names
     s.param_local_names = local_names
@@ -240,7 +107,25 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
         if id(p) in meta_originals:  # other units may still hold the meta original
             setattr(meta_originals[id(p)], OWNER_ATTR, (s.name, fqn))
     layout = _build_handle(s, params, local_names)
-    if s.use_orig_params:  # see [Note: Original parameters] in _orig_params.py
+    _register(unit, s, params, layout)
+
+
+def _mark_managed(unit_mods: list[tuple[str, nn.Module]]) -> None:
+    """torch's marks, read by transformers' generate() and torch.compile (see [Note: torch's internals])."""
+    for _, m in unit_mods:
+        m._is_fsdp_managed_module = True
+        # dynamo reads this flag only as a gate (variables/builder.py: "Dynamo only supports FSDP with
+        # use_orig_params=True"): what it needs is that a managed module's attributes are tensors of the original
+        # parameters' shapes, not a FlatParameter. flatshard gives them that in both modes (views of the unsharded
+        # buffer at every forward), as torch's fully_shard does, which sets the flag for the same reason.
+        m._fsdp_use_orig_params = True
+
+
+def _register(unit: FullyShardedDataParallel, s: UnitState, params: list[nn.Parameter],
+              layout: _C.FlatParamLayout) -> None:
+    """What the module shows after wrapping: the original parameters as views of the shard (use_orig_params), or
+    the flat shard as ``_flat_param`` and the original attributes as plain tensors."""
+    if s.config.use_orig_params:  # see [Note: Original parameters] in _orig_params.py
         unit.__dict__[FLAT_PARAM] = s.flat_param
         s.frozen_indices = ([i for i, p in enumerate(params) if not p.requires_grad] if s.flat_param.requires_grad
                             else [])
@@ -252,9 +137,9 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
     unit.register_parameter(FLAT_PARAM, s.flat_param)
     # The module attributes become plain tensors: views of the unsharded
     # buffer (storage-less while sharded, see [Note: Unsharded storage]).
-    for m, attr, _ in slots:
+    for m, attr, _ in s.param_slots:
         del m._parameters[attr]
-    for p, fqn in zip(params, names):  # see [Note: An optimizer built before wrapping]
+    for p, fqn in zip(params, s.param_names):  # see [Note: An optimizer built before wrapping]
         setattr(p, REPLACED_ATTR, (s.name, fqn))
     _stale_optimizer.install()
 
@@ -262,9 +147,9 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, ignored:
 def _materialize(s: UnitState, unit_mods: list[tuple[str, nn.Module]]) -> dict[int, torch.Tensor]:
     """The unit's tensors off the meta device (``param_init_fn``, or ``reset_parameters()``) and its buffers on
     its device; {id of a new parameter: the meta original it replaced}."""
-    if s.param_init_fn is not None and has_meta(unit_mods):
-        meta_originals = materialize_with(s.param_init_fn, unit_mods, s.name)
-        if not s.device_id_given:  # as torch: the device param_init_fn chose
+    if s.config.param_init_fn is not None and has_meta(unit_mods):
+        meta_originals = materialize_with(s.config.param_init_fn, unit_mods, s.name)
+        if s.config.device_id is None:  # as torch: the device param_init_fn chose
             real = [t for _, m in unit_mods for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
             if real:
                 s.device = real[0].device
@@ -298,7 +183,7 @@ def _collect_params(s: UnitState, unit_mods: list[tuple[str, nn.Module]], ignore
                 names.append(fqn)
                 local_names.append(join(prefix, attr))
             slots.append((m, attr, index_of[id(p)]))
-    if s.use_orig_params and len({p.requires_grad for p in params}) > 1:
+    if s.config.use_orig_params and len({p.requires_grad for p in params}) > 1:
         # Trainable parameters first, frozen ones after: see [Note: Trainable prefix] in flat_param.h.
         order = sorted(range(len(params)), key=lambda i: not params[i].requires_grad)
         new_index = {old: new for new, old in enumerate(order)}
@@ -312,14 +197,14 @@ def _place_and_sync(s: UnitState, unit_mods: list[tuple[str, nn.Module]], params
     """Checks the parameters can share one flat parameter, moves them to the unit's device and, with
     ``sync_module_states``, broadcasts them and the buffers from the first rank of each group."""
     if params:
-        check_uniform(params, names, s.name, mixed_requires_grad=s.use_orig_params)
+        check_uniform(params, names, s.name, mixed_requires_grad=s.config.use_orig_params)
     if params and params[0].device != s.device:
         with torch.no_grad():
             for p in params:
                 p.data = p.data.to(s.device)
-    if s.sync_module_states:
+    if s.config.sync_module_states:
         buffers = list({id(b): b for _, m in unit_mods for b in m._buffers.values() if b is not None}.values())
-        for group in (s.process_group, s.replicate_group):
+        for group in (s.config.process_group, s.config.replicate_group):
             if group is not None:
                 broadcast_from_first_rank([p.detach() for p in params] + buffers, group)
 
@@ -327,16 +212,16 @@ def _place_and_sync(s: UnitState, unit_mods: list[tuple[str, nn.Module]], params
 def _build_handle(s: UnitState, params: list[nn.Parameter], local_names: list[str]) -> _C.FlatParamLayout:
     """The C++ handle (flattened and sharded) and the local shard as an nn.Parameter with torch's marks; the
     layout."""
-    layout = _C.FlatParamLayout([list(p.shape) for p in params], s.shard_factor)
+    layout = _C.FlatParamLayout([list(p.shape) for p in params], s.config.shard_factor)
     dtypes = _mixed_precision.flat_param_dtypes(
-        s.mixed_precision, params[0].dtype, s.shard_factor == 1, s.offload_params, s.name,
+        s.config.mixed_precision, params[0].dtype, s.config.shard_factor == 1, s.config.offload_params, s.name,
     )
     with torch.no_grad():
-        shard_rank = s.rank if s.shard_factor > 1 else 0
-        s.handle = _C.FlatParam(
+        shard_rank = s.config.rank if s.config.shard_factor > 1 else 0
+        s.handle = _C.FlatParamHandle(
             s.name, layout, shard_rank, [p.detach() for p in params],
-            compute_device=s.device, offload=s.offload_params, **dtypes,
-            predivide=s.predivide, postdivide=s.postdivide, all_reduce_replicas=s.replicate_group is not None,
+            compute_device=s.device, offload=s.config.offload_params, **dtypes,
+            predivide=s.config.predivide, postdivide=s.config.postdivide, all_reduce_replicas=s.config.replicate_group is not None,
         )
     s.storage_changed()
     flat = nn.Parameter(s.handle.local_shard, requires_grad=any(p.requires_grad for p in params))

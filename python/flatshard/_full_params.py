@@ -92,8 +92,8 @@ def check_as_torch(units: list[FullyShardedDataParallel], writeback: bool, rank0
         s = unit._unit_state
         if s.handle is None:
             continue
-        if with_grads and (offload_to_cpu or not s.use_orig_params):
-            raise NotImplementedError(f"with_grads={with_grads}, use_orig_params={s.use_orig_params}, "
+        if with_grads and (offload_to_cpu or not s.config.use_orig_params):
+            raise NotImplementedError(f"with_grads={with_grads}, use_orig_params={s.config.use_orig_params}, "
                                       f"offload_to_cpu={offload_to_cpu} is not supported yet{hint}")
         if offload_to_cpu and s.replicated:
             raise NotImplementedError(f"offload_to_cpu=True and NO_SHARD is not supported yet{hint}")
@@ -151,7 +151,7 @@ def _expose_full_params(unit: FullyShardedDataParallel, options: _Options) -> _S
     handle = s.handle
     if handle is None:
         return summoned
-    if s.use_orig_params:
+    if s.config.use_orig_params:
         _orig_params.writeback(s)
     # A replicated unit's buffer is its shard (edits stay); a sharded one's is gathered fresh, not into the
     # runtime's buffer: see [Note: Summoned buffers outlive the context].
@@ -164,7 +164,7 @@ def _expose_full_params(unit: FullyShardedDataParallel, options: _Options) -> _S
         full = s.root.scheduler.gather_full_precision(handle)
     grad = _gather_full_grad(s) if options.with_grads else None
     summoned.has_grad = grad is not None
-    summoned.exposed = not options.rank0_only or dist.get_rank(s.process_group) == 0
+    summoned.exposed = not options.rank0_only or dist.get_rank(s.config.process_group) == 0
     if not summoned.exposed:
         if gathered_in_place:
             reshard(s)
@@ -178,7 +178,8 @@ def _expose_full_params(unit: FullyShardedDataParallel, options: _Options) -> _S
     grads = _C.views_of(grad, handle.layout) if grad is not None else [None] * len(views)
     for m, attr, _ in s.param_slots:
         m.__dict__.pop(attr, None)
-    if s.use_orig_params:  # the registered parameters themselves show the full values
+    s.placeholders_set = False  # the modules show the full parameters until the reshard at the context's end
+    if s.config.use_orig_params:  # the registered parameters themselves show the full values
         with torch.no_grad():
             for p, v, g in zip(s.orig_params, views, grads):
                 p.data = v
@@ -201,7 +202,7 @@ def _gather_full_grad(s: UnitState) -> torch.Tensor | None:
     local = flat.grad
     any_grad = torch.tensor([0.0 if local is None else 1.0], device=s.device)
     with collective_range("summon_full_params all_reduce (any gradient)", s.name):
-        dist.all_reduce(any_grad, op=dist.ReduceOp.MAX, group=s.process_group)
+        dist.all_reduce(any_grad, op=dist.ReduceOp.MAX, group=s.config.process_group)
     if not any_grad.item():
         return None
     if handle.is_replicated and local is not None and local.device == s.device and local.dtype == flat.dtype:
@@ -213,7 +214,7 @@ def _gather_full_grad(s: UnitState) -> torch.Tensor | None:
         return local.clone()
     full = local.new_empty(handle.layout.padded_numel)
     with collective_range("summon_full_params all_gather (gradient)", s.name):
-        dist.all_gather_into_tensor(full, local.contiguous(), group=s.process_group)
+        dist.all_gather_into_tensor(full, local.contiguous(), group=s.config.process_group)
     return full
 
 
@@ -226,7 +227,7 @@ def _hide_full_params(summoned: _Summoned, options: _Options) -> None:
         return
     flat = summoned.flat if summoned.flat is not None else s.flat_param
     if summoned.exposed:
-        if s.use_orig_params:
+        if s.config.use_orig_params:
             with torch.no_grad():
                 for p, v in zip(s.orig_params, _C.views_of(summoned.full, handle.layout)):
                     if options.writeback and p.data.data_ptr() != v.data_ptr():  # replaced inside the context
@@ -248,7 +249,7 @@ def _hide_full_params(summoned: _Summoned, options: _Options) -> None:
         p.data = p.data.new_empty(0)
         p.grad = None
     reshard(s)
-    if s.use_orig_params:
+    if s.config.use_orig_params:
         _orig_params.use_sharded_views(s)
         _orig_params.use_grad_views(s)
 
@@ -268,7 +269,7 @@ def _write_back(s: UnitState, summoned: _Summoned, flat: nn.Parameter, options: 
             buffer = (full.to(s.device) if summoned.exposed
                       else torch.empty(handle.layout.padded_numel, dtype=target.dtype, device=s.device))
             with collective_range("summon_full_params broadcast (rank0_only writeback)", s.name):
-                dist.broadcast(buffer, src=dist.get_global_rank(s.process_group, 0), group=s.process_group)
+                dist.broadcast(buffer, src=dist.get_global_rank(s.config.process_group, 0), group=s.config.process_group)
             full = buffer
         target.copy_(full[begin:end])
 

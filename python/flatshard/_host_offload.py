@@ -49,10 +49,10 @@ def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to_devi
     moved: dict[int, torch.device] = {}  # id of a parameter the optimizer may hold -> where its shard went
     for unit in units:
         s = unit._unit_state
-        if s.handle is not None and not s.offload_params:
+        if s.handle is not None and not s.config.offload_params:
             device = s.device if to_device else torch.device("cpu")
             move_shard(s, device, non_blocking)
-            for p in [s.flat_param, *(s.orig_params if s.use_orig_params else [])]:
+            for p in [s.flat_param, *(s.orig_params if s.config.use_orig_params else [])]:
                 moved[id(p)] = device
     if optimizer is not None:
         _move_optimizer_state(optimizer, moved, non_blocking)
@@ -76,7 +76,7 @@ def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -
     if flat.device == device:
         return
     flat.__dict__.pop("_local_shard", None)  # torch's alias of the old data (see HandleView.flat_param)
-    if s.use_orig_params:  # edits to the original parameters first: they are views of the shard
+    if s.config.use_orig_params:  # edits to the original parameters first: they are views of the shard
         _orig_params.writeback(s)
     with torch.no_grad():
         flat.data = flat.data.to(device, non_blocking=non_blocking)
@@ -85,7 +85,7 @@ def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -
     after_shard_cast(s)
     if root is not None:
         root.shards_on_host = any(
-            u._unit_state.handle is not None and not u._unit_state.offload_params
+            u._unit_state.handle is not None and not u._unit_state.config.offload_params
             and u._unit_state.flat_param.device != u._unit_state.device
             for u in root.units
         )

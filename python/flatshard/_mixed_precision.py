@@ -72,7 +72,7 @@ def check_cpu_offload(cpu_offload: Any) -> bool:
 def flat_param_dtypes(
     mixed_precision: MixedPrecision | None, orig: torch.dtype, replicated: bool, offload: bool, unit_name: str
 ) -> dict[str, torch.dtype | None]:
-    """``param_dtype``, ``reduce_dtype`` and ``grad_dtype`` for ``_C.FlatParam``: each one the mixed
+    """``param_dtype``, ``reduce_dtype`` and ``grad_dtype`` for ``_C.FlatParamHandle``: each one the mixed
     precision names, also where it equals the parameters' own dtype (so that it stays when the shard is
     cast later, e.g. accelerate's fp32 upcast of a bf16 model); None: the shard's dtype, whatever it is."""
     none = {"param_dtype": None, "reduce_dtype": None, "grad_dtype": None}
@@ -127,7 +127,7 @@ def cast_buffers(s: UnitState, unit_modules: list[tuple[str, nn.Module]]) -> Non
     """At the root's lazy init: the unit's floating-point buffers to ``buffer_dtype``, remembering
     each one's original dtype for state dicts (``buffer_orig_dtypes``: (module, name) -> dtype).
     Safe to call twice (a lazy init undone by ``apply`` runs again)."""
-    mp = s.mixed_precision
+    mp = s.config.mixed_precision
     if mp is None or mp.buffer_dtype is None:
         return
     for _, m in unit_modules:

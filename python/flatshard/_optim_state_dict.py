@@ -253,8 +253,8 @@ def _optim_entries(model: nn.Module, optim: torch.optim.Optimizer, what: str) ->
         if root._unit_state.is_root is None:
             lazy_init(root)
         _rank_guard.check(root._unit_state.root, f"{what}()")
-    unit_of = {id(u._unit_state.flat_param): u for u in units if u._unit_state.handle is not None and not u._unit_state.use_orig_params}
-    orig_of = {id(p): (u, i) for u in units if u._unit_state.handle is not None and u._unit_state.use_orig_params
+    unit_of = {id(u._unit_state.flat_param): u for u in units if u._unit_state.handle is not None and not u._unit_state.config.use_orig_params}
+    orig_of = {id(p): (u, i) for u in units if u._unit_state.handle is not None and u._unit_state.config.use_orig_params
                for i, p in enumerate(u._unit_state.orig_params)}
     # Names relative to ``model``: the unit's path in it, then the parameter's path in the unit.
     path_of = {id(m): clean_name(n) for n, m in model.named_modules() if is_unit(m)}
@@ -321,7 +321,7 @@ def _unflatten_state(entry: _OptimEntry, values: dict[str, Any]) -> dict[str, di
                 local = flat.to(unit._unit_state.device).contiguous()
                 gathered = local.new_empty(layout.padded_numel)
                 with collective_range("optim_state_dict all_gather", unit._unit_state.name):
-                    dist.all_gather_into_tensor(gathered, local, group=unit._unit_state.process_group)
+                    dist.all_gather_into_tensor(gathered, local, group=unit._unit_state.config.process_group)
                 flat = gathered
             for name, offset, numel, shape in zip(entry.names, layout.offsets, layout.numels, layout.shapes):
                 per_param[name][key] = flat[offset : offset + numel].view(shape).clone()
@@ -396,10 +396,10 @@ def _unflatten_orig_state(unit: FullyShardedDataParallel, members: list[tuple[in
     if not handle.is_replicated:
         holds_trainable = any(slices.get(e.orig_index, (0, 0, 0))[2] > 0 and e.param.requires_grad
                               for _, e in members)
-        everyone: list[Any] = [None] * dist.get_world_size(unit._unit_state.process_group)
+        everyone: list[Any] = [None] * dist.get_world_size(unit._unit_state.config.process_group)
         with collective_range("optim_state_dict all_gather_object (state kinds)", unit._unit_state.name):
             dist.all_gather_object(everyone, (holds_trainable, list(kinds.items())),
-                                   group=unit._unit_state.process_group)
+                                   group=unit._unit_state.config.process_group)
         merged: dict[str, tuple[str, Any]] = {}
         for _, theirs in everyone:
             for k, kind in theirs:
@@ -427,7 +427,7 @@ def _unflatten_orig_state(unit: FullyShardedDataParallel, members: list[tuple[in
         if flat is not None and not handle.is_replicated:
             gathered = flat.new_empty(layout.padded_numel)
             with collective_range("optim_state_dict all_gather", unit._unit_state.name):
-                dist.all_gather_into_tensor(gathered, flat, group=unit._unit_state.process_group)
+                dist.all_gather_into_tensor(gathered, flat, group=unit._unit_state.config.process_group)
             flat = gathered
         for index, entry in members:
             i = entry.orig_index
@@ -542,7 +542,7 @@ def unwrapped_parameter_names(model: nn.Module) -> list[str]:
     parameter once, under its first name."""
     slots: dict[int, list[tuple[str, tuple[int, int]]]] = {}  # id(module) -> [(attribute, (unit, index))]
     for unit in fsdp_modules(model):
-        if unit._unit_state.handle is None or unit._unit_state.use_orig_params:
+        if unit._unit_state.handle is None or unit._unit_state.config.use_orig_params:
             continue
         for m, attr, index in unit._unit_state.param_slots:
             slots.setdefault(id(m), []).append((attr, (id(unit), index)))

@@ -170,27 +170,27 @@ class RankGuard:
 
     def __init__(self, root: RootState) -> None:
         top = root.unit._unit_state
-        ranks = set(dist.get_process_group_ranks(top.process_group))
-        if top.replicate_group is not None:  # every shard group of the replicas: the whole (replicate, shard) mesh
-            theirs: list[Any] = [None] * dist.get_world_size(top.replicate_group)
+        ranks = set(dist.get_process_group_ranks(top.config.process_group))
+        if top.config.replicate_group is not None:  # every shard group of the replicas: the whole (replicate, shard) mesh
+            theirs: list[Any] = [None] * dist.get_world_size(top.config.replicate_group)
             with collective_range("rank_guard all_gather_object (ranks)"):
-                dist.all_gather_object(theirs, sorted(ranks), group=top.replicate_group)
+                dist.all_gather_object(theirs, sorted(ranks), group=top.config.replicate_group)
             ranks = {r for group in theirs for r in group}
         self.ranks = sorted(ranks)
-        self.hybrid = top.replicate_group is not None
+        self.hybrid = top.config.replicate_group is not None
         self.group = None
         self.key = _guard_key(self.ranks)
-        self.label = f"{type(top.module).__name__} (the model wrapped {_ordinal(int(self.key.rsplit('/', 1)[1]) + 1)})"
+        self.label = f"{type(top.wrapped_module).__name__} (the model wrapped {_ordinal(int(self.key.rsplit('/', 1)[1]) + 1)})"
         # See [Note: The guard under a fake process group].
-        self.simulated = dist.get_backend(top.process_group) == "fake"
+        self.simulated = dist.get_backend(top.config.process_group) == "fake"
         if len(self.ranks) > 1:
-            self.group = (top.process_group if self.simulated else
-                          _guard_group(self.key, self.ranks, group_timeout(top.process_group)))
+            self.group = (top.config.process_group if self.simulated else
+                          _guard_group(self.key, self.ranks, group_timeout(top.config.process_group)))
         self.forwards = 0
         self._model: tuple[list[int], list[Any]] | None = None
         self._links: list[Any] = []
         self._rounds = [] if self.simulated or len(self.ranks) < 2 else self._pair_rounds(
-            group_timeout(top.process_group))
+            group_timeout(top.config.process_group))
         _stall_watch.attach(self)  # see [Note: Stalled waits]
 
     def _pair_rounds(self, timeout: timedelta) -> list[tuple[str, Any]]:
@@ -319,13 +319,13 @@ _LAYOUT_KEYS = ("strategy", "shapes", "dtype", "shard_factor", "mixed_precision"
 
 def _describe_unit(s: UnitState) -> dict[str, Any]:
     handle = s.handle
-    mp = s.mixed_precision
+    mp = s.config.mixed_precision
     out: dict[str, Any] = {
         "unit": s.label,
-        "strategy": s.sharding_strategy.name,
+        "strategy": s.config.sharding_strategy.name,
         "mixed_precision": None if mp is None else (str(mp.param_dtype), str(mp.reduce_dtype), str(mp.buffer_dtype)),
-        "cpu_offload": bool(s.offload_params),
-        "use_orig_params": bool(s.use_orig_params),
+        "cpu_offload": bool(s.config.offload_params),
+        "use_orig_params": bool(s.config.use_orig_params),
     }
     if handle is not None:
         out.update(parameters=list(s.param_local_names), shapes=[list(shape) for shape in handle.layout.shapes],

@@ -98,16 +98,16 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
     that ran as a root itself cannot be nested afterwards (as torch's)."""
     units = _units_under(root)
     top = root._unit_state
-    scheduler = _C.Scheduler(top.process_group, top.replicate_group, top.device,
-                             all_gather_limit(top.limit_all_gathers))
+    scheduler = _C.Scheduler(top.config.process_group, top.config.replicate_group, top.device,
+                             all_gather_limit(top.config.limit_all_gathers))
     # Units over other groups (e.g. experts over an expert group): one pair each; see
     # [Note: Groups per unit] in csrc/flatshard/scheduler.h.
-    pairs = {(id(top.process_group), id(top.replicate_group)): 0}
+    pairs = {(id(top.config.process_group), id(top.config.replicate_group)): 0}
     for name, unit in units:
         s = unit._unit_state
-        key = (id(s.process_group), id(s.replicate_group))
+        key = (id(s.config.process_group), id(s.config.replicate_group))
         if key not in pairs:
-            pairs[key] = scheduler.add_groups(s.process_group, s.replicate_group)
+            pairs[key] = scheduler.add_groups(s.config.process_group, s.config.replicate_group)
         if s.handle is not None:
             s.handle.group_index = pairs[key]
     root_state = RootState(root, scheduler, [u for _, u in units])
@@ -122,8 +122,8 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
         s.name = name
         if s.handle is not None:
             s.handle.name = name
-        s.forward_input_dtype = _mixed_precision.forward_input_dtype(s.mixed_precision, s.is_root)
-        _mixed_precision.cast_buffers(s, list(unit_modules(s.module, s.ignored_modules)))
+        s.forward_input_dtype = _mixed_precision.forward_input_dtype(s.config.mixed_precision, s.is_root)
+        _mixed_precision.cast_buffers(s, list(unit_modules(s.wrapped_module, s.config.ignored_modules)))
     _exit.register_for_exit(root_state)  # see [Note: Exit] in _exit.py
     guard_mode = _rank_guard.mode()
     if guard_mode != "off":  # see [Note: Rank-divergence guard]
@@ -153,11 +153,12 @@ def _units_under(root: FullyShardedDataParallel) -> list[tuple[str, FullySharded
     top = root._unit_state
     for name, unit in units:
         s = unit._unit_state
-        for attr, what in (("device", "device_id"), ("limit_all_gathers", "limit_all_gathers")):
-            if getattr(s, attr) != getattr(top, attr):
+        for what, mine, roots in (("device_id", s.device, top.device),
+                                  ("limit_all_gathers", s.config.limit_all_gathers, top.config.limit_all_gathers)):
+            if mine != roots:
                 raise ValueError(
-                    f"FullyShardedDataParallel: unit '{name}' has {what}={getattr(s, attr)} but its root "
-                    f"has {getattr(top, attr)}; the units of one root share one runtime. Wrap them "
+                    f"FullyShardedDataParallel: unit '{name}' has {what}={mine} but its root "
+                    f"has {roots}; the units of one root share one runtime. Wrap them "
                     f"with the same {what}."
                 )
     return units
@@ -218,7 +219,7 @@ def set_views(state: UnitState, views, placeholders: bool = False) -> None:
     with ``use_orig_params`` the placeholders are the registered parameters themselves (see
     [Note: Original parameters] in _orig_params.py): the views that shadowed them go."""
     state.placeholders_set = placeholders
-    if placeholders and state.use_orig_params:
+    if placeholders and state.config.use_orig_params:
         for m, attr, _ in state.param_slots:
             m.__dict__.pop(attr, None)
         return
@@ -234,7 +235,7 @@ def after_shard_cast(state: UnitState) -> None:
     state.storage_changed()
     if state.root is not None and state.root.guard is not None:
         state.root.guard.model_changed()
-    if state.use_orig_params:
+    if state.config.use_orig_params:
         _orig_params.use_sharded_views(state)
         _orig_params.use_grad_views(state)
     else:
@@ -242,10 +243,11 @@ def after_shard_cast(state: UnitState) -> None:
 
 
 def reshard(state: UnitState) -> None:
-    """Frees the unsharded buffer; the modules get storage-less placeholders back
-    (which also lets go of the last forward's views and their graph)."""
+    """Frees the unsharded buffer (a prefetched one too); the modules get storage-less placeholders back
+    (which also lets go of the last forward's views and their graph) unless they hold them already."""
     state.root.scheduler.reshard(state.handle)
-    set_views(state, state.placeholders, placeholders=True)
+    if not state.placeholders_set:
+        set_views(state, state.placeholders, placeholders=True)
 
 
 # ------------------------------------------------------------------- forward
@@ -261,7 +263,7 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         # holds its full parameters, in full precision; run it as it is.
         if s.is_root and s.device.type != "cpu":
             args, kwargs = to_device((args, kwargs), s.device)
-        return s.module(*args, **kwargs)
+        return s.wrapped_module(*args, **kwargs)
     if in_backward():
         return recompute(s, args, kwargs)
     if s.is_root:
@@ -274,7 +276,7 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
     if s.is_root:
         root.in_forward_call = True  # (see summon_full_params)
     try:
-        output = s.module(*args, **kwargs)
+        output = s.wrapped_module(*args, **kwargs)
     finally:
         if s.is_root:
             root.in_forward_call = False
@@ -333,7 +335,7 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     # Waiting first lets the backend drop its temporaries for this all-gather before the next one is issued (on
     # devices with events the wait only orders streams: no overlap is lost).
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
-    ahead = _handle_at(root.prev_pre_forward_order, position + 1) if s.forward_prefetch else None
+    ahead = _handle_at(root.prev_pre_forward_order, position + 1) if s.config.forward_prefetch else None
     views = root.scheduler.wait_for_unshard(handle, ahead, views=True)
     flat = s.flat_param
     if not (grad_enabled and flat.requires_grad):
@@ -348,7 +350,7 @@ def _frees_after_forward(s: UnitState) -> bool:
     """Whether a unit's forward (or its rerun in the whole model's recomputation) ends by resharding: its
     strategy reshards after forward, no_sync(keep_parameters_unsharded=True) does not hold it, and there is
     something to free (a replicated unit keeps its views for backward)."""
-    return s.handle is not None and s.reshard_after_forward and not s.holds_unsharded and not s.replicated
+    return s.handle is not None and s.config.reshard_after_forward and not s.holds_unsharded and not s.replicated
 
 
 def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any, output: Any) -> Any:
@@ -426,10 +428,10 @@ def recompute(s: UnitState, args: tuple, kwargs: dict) -> Any:
         root.recompute_order = []
         root.recomputing = True
         try:
-            return s.module(*args, **kwargs)
+            return s.wrapped_module(*args, **kwargs)
         finally:
             root.recomputing = False
-    output = s.module(*args, **kwargs)
+    output = s.wrapped_module(*args, **kwargs)
     if root.recomputing and _frees_after_forward(s):
         # Rerunning the whole model must not hold every unit unsharded at once: reshard as
         # the first forward did. Before any of this unit's backward runs, its pre-backward
@@ -469,13 +471,13 @@ def has_pending_uses(s: UnitState) -> bool:
     return False
 
 
-def _handle_at(order: list[UnitState], index: int) -> _C.FlatParam | None:
+def _handle_at(order: list[UnitState], index: int) -> _C.FlatParamHandle | None:
     """The handle of ``order[index]``, if it exists, to prefetch (the scheduler issues its all-gather only
     if it is sharded)."""
     return order[index].handle if 0 <= index < len(order) else None
 
 
-def _backward_prefetch_target(order: list[UnitState], index: int) -> _C.FlatParam | None:
+def _backward_prefetch_target(order: list[UnitState], index: int) -> _C.FlatParamHandle | None:
     """The handle of ``order[index]`` if it is sharded (its modules hold the placeholders) and a use of it
     is still to run its backward (see [Note: Pending uses])."""
     if not 0 <= index < len(order):
@@ -516,7 +518,7 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
     if s.handle is not None:
         s.switch("pre-backward")
         ahead = (_backward_prefetch_target(order, index - 1)
-                 if s.backward_prefetch == BackwardPrefetch.BACKWARD_PRE else None)
+                 if s.config.backward_prefetch == BackwardPrefetch.BACKWARD_PRE else None)
         # Resharded after forward: recomputation needs real views. One crossing (see forward()).
         views = s.root.scheduler.wait_for_unshard(s.handle, ahead, views=s.placeholders_set)
         if views is not None:
@@ -527,14 +529,14 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
     _check_backward_allowed(s)
     s.switch("post-backward")
     use.finish()
-    if s.use_orig_params:
+    if s.config.use_orig_params:
         _orig_params.note_grads(s, grads)
     # Reshard once no other use still needs the parameters, and reduce then, unless in no_sync().
     done = not s.holds_unsharded and not has_pending_uses(s)
     reduce = done and s.sync_gradients
     hooked = reduce and s.comm_hook is not None
     ahead = (_backward_prefetch_target(use.order, use.index - 1)
-             if done and s.backward_prefetch == BackwardPrefetch.BACKWARD_POST else None)
+             if done and s.config.backward_prefetch == BackwardPrefetch.BACKWARD_POST else None)
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
     resharded = s.root.scheduler.post_backward(s.handle, list(grads), reduce and not hooked, done,
                                                None if hooked else ahead)
@@ -574,7 +576,7 @@ def finish_backward(root: RootState) -> None:
         s.switch("end of backward")
         if s.handle is not None and not s.holds_unsharded:
             reshard(s)
-            if s.use_orig_params and s.sync_gradients:
+            if s.config.use_orig_params and s.sync_gradients:
                 _orig_params.use_grad_views(s)
 
 
@@ -597,7 +599,7 @@ def abort_backward(root: RootState) -> None:
             s.handle.drop_unsharded_grad()
             s.flat_param.grad = None
             reshard(s)
-            if s.use_orig_params:
+            if s.config.use_orig_params:
                 _orig_params.use_grad_views(s)
 
 

@@ -70,19 +70,19 @@ def mesh_of(unit: FullyShardedDataParallel) -> DeviceMesh:
     if s.dtensor_mesh is not None:
         return s.dtensor_mesh
     device_type = s.device.type
-    if s.replicate_group is None:
-        mesh = DeviceMesh.from_group(s.process_group, device_type)
+    if s.config.replicate_group is None:
+        mesh = DeviceMesh.from_group(s.config.process_group, device_type)
     else:
         # The whole layout: global rank of (replicate rank i, shard rank j), from every rank.
-        mine = (dist.get_rank(s.replicate_group), dist.get_rank(s.process_group), dist.get_rank())
+        mine = (dist.get_rank(s.config.replicate_group), dist.get_rank(s.config.process_group), dist.get_rank())
         everyone: list[Any] = [None] * dist.get_world_size()
         with collective_range("state_dict all_gather_object (hybrid mesh)", s.name):
             dist.all_gather_object(everyone, mine)
-        replicas, shards = dist.get_world_size(s.replicate_group), dist.get_world_size(s.process_group)
+        replicas, shards = dist.get_world_size(s.config.replicate_group), dist.get_world_size(s.config.process_group)
         layout = torch.empty(replicas, shards, dtype=torch.int64)
         for i, j, g in everyone:
             layout[i, j] = g
-        mesh = DeviceMesh.from_group([s.replicate_group, s.process_group], device_type, mesh=layout,
+        mesh = DeviceMesh.from_group([s.config.replicate_group, s.config.process_group], device_type, mesh=layout,
                                      mesh_dim_names=("replicate", "shard"))
     s.dtensor_mesh = mesh
     return mesh
@@ -107,7 +107,7 @@ def to_dtensor(full: torch.Tensor, unit: FullyShardedDataParallel, offload_to_cp
 def uses_dtensor(unit: FullyShardedDataParallel, config: Any) -> bool:
     """As torch's FSDP1: DTensors when the unit was built from a ``device_mesh`` or the config asks
     (``_use_dtensor``), else ``ShardedTensor``s (see [Note: Sharded state dicts])."""
-    return unit._unit_state.device_mesh_given or bool(getattr(config, "_use_dtensor", False))
+    return unit._unit_state.config.device_mesh_given or bool(getattr(config, "_use_dtensor", False))
 
 
 def to_sharded(full: torch.Tensor, unit: FullyShardedDataParallel, use_dtensor: bool,
@@ -126,7 +126,7 @@ def to_sharded_tensor(full: torch.Tensor, unit: FullyShardedDataParallel, offloa
     """torch FSDP1's ShardedTensor of ``full``: ``full.chunk(W)`` over the unit's shard group, chunk r on
     group rank r (ranks past the last chunk hold no shard); made from every rank's own knowledge, no
     collective. (With hybrid sharding the replicas hold the same chunks; DCP keeps one copy.)"""
-    group = unit._unit_state.process_group
+    group = unit._unit_state.config.process_group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     chunks = full.chunk(world, dim=0)
     device = torch.device("cpu") if offload_to_cpu else full.device
@@ -195,7 +195,7 @@ def sharded_or_local_state_dict(unit: FullyShardedDataParallel, destination: Any
         if u._unit_state.handle is None:
             continue
         managed.add(id(u._unit_state.flat_param))
-        if u._unit_state.use_orig_params:
+        if u._unit_state.config.use_orig_params:
             managed.update(id(p) for p in u._unit_state.orig_params)
         if local:
             entries[join(paths[id(u)], FLAT_PARAM)] = local_flat_shard(u, use_dtensor, config.offload_to_cpu)
@@ -250,7 +250,7 @@ def local_flat_shard(unit: FullyShardedDataParallel, use_dtensor: bool, offload_
     s = unit._unit_state
     if use_dtensor or s.replicated:  # (a replicated unit's whole flat parameter: a replicated DTensor)
         return dt
-    group, numel, local = s.process_group, dt.shape[0], dt.to_local()
+    group, numel, local = s.config.process_group, dt.shape[0], dt.to_local()
     world, rank, size = dist.get_world_size(group), dist.get_rank(group), s.handle.layout.shard_numel
     metadata, mine = [], None
     for r in range(world):

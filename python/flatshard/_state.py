@@ -4,9 +4,12 @@
 Every ``FullyShardedDataParallel`` holds one ``UnitState`` as ``_unit_state`` (in its
 ``__dict__``: not a submodule, not a parameter), made at wrap time, and nothing else of
 flatshard's is set on the module but the flat parameter (``_flat_param``, torch's name)
-and the wrapped module. The fields come in three groups: configuration (fixed at wrap
-time: groups, strategy, prefetch, dtypes, device), storage (the C++ ``FlatParam`` and
-how the original parameters map onto it) and runtime (what changes step by step).
+and the wrapped module. The fields come in four groups: identity and configuration
+(its name, its module and the frozen ``UnitConfig`` its front-end resolved: groups,
+strategy, prefetch, dtypes, offload; see [Note: Unit configuration] in _config.py),
+storage (its device, the C++ ``FlatParamHandle`` and how the original parameters map onto
+it), per step (what the lifecycle changes) and what the user sets between steps (the
+communication hook, the state-dict settings, a load under way).
 
 A root is made at lazy init (the first forward, or the first call that needs the
 runtime): the outermost unit gets a ``RootState`` that holds the scheduler, the units
@@ -40,19 +43,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from flatshard.api import (
-    BackwardPrefetch,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    MixedPrecision,
-    ShardingStrategy,
-    StateDictType,
-)
+from flatshard.api import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from flatshard import _C
+    from flatshard._config import UnitConfig
     from flatshard._rank_guard import RankGuard
     from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
@@ -91,32 +86,14 @@ class UnitState:
     """Everything flatshard keeps about one unit (see [Note: Unit state])."""
 
     __slots__ = (
-        # --- configuration: fixed at wrap time
+        # --- identity and configuration: fixed at wrap time
         "name",  # the unit's path under its root ("" for the root); final at lazy init
-        "module",  # the wrapped module
-        "process_group",  # the shard group
-        "replicate_group",  # hybrid sharding's replicate group, else None
-        "rank",  # this rank in the shard group
-        "world_size",  # the shard group's size
-        "shard_factor",  # ranks the flat parameter is split over (1: NO_SHARD)
-        "sharding_strategy",
-        "reshard_after_forward",  # FULL_SHARD, HYBRID_SHARD
-        "backward_prefetch",
-        "forward_prefetch",
-        "limit_all_gathers",
-        "mixed_precision",  # torch's MixedPrecision, or None
-        "offload_params",  # CPUOffload(offload_params=True)
-        "use_orig_params",
-        "param_init_fn",
-        "sync_module_states",
-        "device",  # the compute device
-        "device_id_given",  # whether device_id= was passed (else param_init_fn may choose)
-        "device_mesh_given",  # built from a device_mesh: SHARDED state dicts hold DTensors (else ShardedTensors)
-        "ignored_modules",  # the expanded set
-        "predivide",  # gradient division before the SUM (see _mixed_precision.gradient_divide_factors)
-        "postdivide",  # and after it
+        "wrapped_module",  # what the unit calls: its _fsdp_wrapped_module (torch's ``unit.module`` is the module
+        # inside an activation-checkpoint wrapper put around it after wrapping)
+        "config",  # the UnitConfig its front-end resolved (see [Note: Unit configuration] in _config.py)
         # --- storage
-        "handle",  # the C++ FlatParam, or None for a unit without parameters of its own
+        "device",  # where the unit computes and its storage lives (see [Note: Unit configuration])
+        "handle",  # the C++ FlatParamHandle, or None for a unit without parameters of its own
         "replicated",  # the handle's shard is the whole flat parameter (shard factor 1)
         "placeholders",  # the handle's placeholder views (see [Note: Placeholders] in flat_param.h)
         "shard_dtype",  # the shard's dtype the handle's buffers were made for
@@ -128,7 +105,7 @@ class UnitState:
         "orig_params",  # use_orig_params: the original nn.Parameters, in flat order
         "orig_grad_seen",  # use_orig_params: which got a gradient this iteration
         "buffer_orig_dtypes",  # (module, buffer name) -> dtype before buffer_dtype's cast
-        # --- runtime
+        # --- per step
         "root",  # the RootState of this unit's root, set at lazy init; None before
         "is_root",  # None before lazy init
         "training_state",
@@ -137,6 +114,7 @@ class UnitState:
         "sync_gradients",  # False inside no_sync()
         "holds_unsharded",  # inside no_sync(keep_parameters_unsharded=True): nothing reshards (see [Note: no_sync])
         "forward_input_dtype",  # what forward inputs are cast to, or None (set at lazy init)
+        # --- set by the user between steps: the communication hook, state dicts
         "comm_hook",  # a user's communication hook, or None
         "comm_hook_state",
         "state_dict_type",
@@ -147,32 +125,13 @@ class UnitState:
         "plain_state_dict",  # answer state_dict() as a plain module (inside an outer unit's sharded state_dict)
     )
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    def __init__(self, name: str, module: nn.Module, config: UnitConfig, device: torch.device) -> None:
         self.name = name
-        self.module = module
-        self.process_group: dist.ProcessGroup | None = None
-        self.replicate_group: dist.ProcessGroup | None = None
-        self.rank = 0
-        self.world_size = 1
-        self.shard_factor = 1
-        self.sharding_strategy = ShardingStrategy.FULL_SHARD
-        self.reshard_after_forward = True
-        self.backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
-        self.forward_prefetch = False
-        self.limit_all_gathers = True
-        self.mixed_precision: MixedPrecision | None = None
-        self.offload_params = False
-        self.use_orig_params = False
-        self.param_init_fn: Callable[[nn.Module], None] | None = None
-        self.sync_module_states = False
-        self.device = torch.device("cpu")
-        self.device_id_given = False
-        self.device_mesh_given = False
-        self.ignored_modules: set[nn.Module] = set()
-        self.predivide = 1.0
-        self.postdivide = 1.0
+        self.wrapped_module = module
+        self.config = config
 
-        self.handle: _C.FlatParam | None = None
+        self.device = device
+        self.handle: _C.FlatParamHandle | None = None
         self.replicated = False
         self.placeholders: list[torch.Tensor] = []
         self.shard_dtype: torch.dtype | None = None
@@ -260,7 +219,7 @@ class RootState:
         self.unit = unit
         self.scheduler = scheduler
         self.units = units
-        self.orig_param_units = [u for u in units if u._unit_state.use_orig_params and u._unit_state.handle is not None]
+        self.orig_param_units = [u for u in units if u._unit_state.config.use_orig_params and u._unit_state.handle is not None]
         self.sharded_handles = [u._unit_state.handle for u in units
                                 if u._unit_state.handle is not None and not u._unit_state.replicated]
         self.guard: RankGuard | None = None

@@ -170,7 +170,7 @@ def _hand_registered_to_nn_module(unit: FullyShardedDataParallel, state_dict: di
     """After ``unit`` is loaded (or found missing, and reported as such): its registered parameters go into
     ``state_dict`` as themselves, so that ``nn.Module``'s loading copies them onto themselves and reports
     nothing for them (the original parameters with ``use_orig_params``, else the flat parameter)."""
-    if unit._unit_state.use_orig_params:
+    if unit._unit_state.config.use_orig_params:
         for m, attr, _ in unit._unit_state.param_slots:
             state_dict[prefix + join(paths[id(m)], attr)] = m._parameters[attr]
     else:

@@ -1,14 +1,17 @@
 """``FullyShardedDataParallel``: torch's FSDP interface over the flatshard runtime.
 
 Each instance is one *unit*: it owns every parameter of its subtree that no
-inner unit owns, flattened into one ``FlatParam`` (C++) whose local shard is the
+inner unit owns, flattened into one ``FlatParamHandle`` (C++) whose local shard is the
 ``nn.Parameter`` registered here as ``_flat_param``. Its state is one ``UnitState``
 (``_unit_state``); the root (outermost unit) holds a ``RootState`` with one
 ``Scheduler`` (C++) shared by all units below it (see [Note: Unit state]).
 
 This file is the public API; each concern lives in its own private module:
+- ``_fsdp1_config``: this class's arguments, resolved once into the frozen ``UnitConfig`` (``_config``) the
+  runtime reads (groups, strategy, prefetch, dtypes, offload, ignored states)
 - ``_state``: the one typed state per unit (``UnitState``) and per root (``RootState``)
-- ``_construction``: groups, device, meta-device materialization, sync, the flat parameter
+- ``_construction``: building a unit from its configuration: device, meta-device materialization, sync, the
+  flat parameter
 - ``_runtime``: lazy init and the per-step lifecycle (forward, pre/post-backward, end of backward, no_sync)
 - ``_full_params``: summon_full_params, apply
 - ``_clip_grad_norm``: clip_grad_norm_
@@ -46,6 +49,7 @@ from flatshard import (
     _clip_grad_norm,
     _comm_hooks,
     _construction,
+    _fsdp1_config,
     _full_params,
     _mixed_precision,
     _optim_state_dict,
@@ -57,13 +61,13 @@ from flatshard import (
 from flatshard._common import (
     CHECKPOINT_WRAPPED,
     FLAT_PARAM,
-    RESHARD_AFTER_FORWARD,
     WRAPPED,
     clean_name,
     fsdp_modules,
     is_unit,
     join,
 )
+from flatshard._config import UnitConfig
 from flatshard._state import TrainingState, UnitState
 from flatshard._torch_facade.attributes import TorchAttributes
 from flatshard._torch_facade.internals import missing_attribute
@@ -79,6 +83,22 @@ from flatshard.api import (
 from flatshard.wrap import _plan_wraps
 
 __all__ = ["FullyShardedDataParallel"]
+
+def _wrap_children(cls: type[FullyShardedDataParallel], module: nn.Module, policy: Any, config: UnitConfig,
+                   unit_name: str) -> None:
+    """Wraps the modules below ``module`` that ``policy`` names, innermost first, each in a unit of the same
+    configuration (or its overrides'); modules of mixed precision's ignored classes in float32 units."""
+    names = {m: name for name, m in module.named_modules()}
+    individually = _mixed_precision.individually_wrapped(config.mixed_precision)
+    plan = _plan_wraps(module, policy, config.ignored_modules, config.ignored_params, is_unit, individually)
+    _mixed_precision.run_in_fp32(
+        [m for m, o in plan if individually and isinstance(m, individually) and o.get("mixed_precision", 0) is None])
+    parents = _construction.parent_slots(module)
+    for target, overrides in plan:
+        parent, attr = parents[target]
+        child_config = _fsdp1_config.resolve_overrides(config, target, overrides)
+        setattr(parent, attr, cls(target, _config=child_config, _unit_name=join(unit_name, names[target])))
+
 
 class FullyShardedDataParallel(TorchAttributes, nn.Module):
     """Shards a module's parameters across ranks; a drop-in for torch's FSDP (FSDP1).
@@ -126,106 +146,26 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         device_mesh: Any | None = None,
         *,
         _unit_name: str = "",
-        _ignored_params: set[nn.Parameter] | None = None,
-        _device_mesh_given: bool = False,
+        _config: UnitConfig | None = None,
     ):
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"FullyShardedDataParallel: module: expected an nn.Module but got {type(module).__name__}; pass the "
                 f"model to wrap (FSDP(model)), not a tensor or its parameters.")
         nn.Module.__init__(self)  # (not super(): see [Note: flatshard as torch's FSDP] in _torch_facade/opt_in.py)
-        ignored_modules, extra_ignored = _construction.split_ignored_states(ignored_modules, ignored_states)
-        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
-        if not isinstance(strategy, ShardingStrategy):
-            raise ValueError(
-                f"FullyShardedDataParallel: sharding_strategy: expected a ShardingStrategy but got "
-                f"{sharding_strategy!r}"
-            )
-        if param_init_fn is not None and not callable(param_init_fn):  # (torch's message, then ours)
-            raise ValueError(
-                f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}: param_init_fn takes a module "
-                f"and materializes its parameters."
-            )
-        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-            raise ValueError(
-                f"FullyShardedDataParallel: backward_prefetch: expected a BackwardPrefetch or None "
-                f"but got {backward_prefetch!r}"
-            )
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "FullyShardedDataParallel: expected an initialized default process group but "
-                "torch.distributed is not initialized. Call torch.distributed.init_process_group() "
-                "first (torchrun sets the environment it needs), or pass process_group=."
-            )
-        shard_group, replicate_group = _construction.resolve_groups(process_group, device_mesh, strategy)
+        if _config is None:  # the unit the user wraps: its arguments, resolved once (see [Note: Unit configuration])
+            _config = _fsdp1_config.resolve(
+                module, process_group, sharding_strategy, cpu_offload, backward_prefetch, mixed_precision,
+                ignored_modules, param_init_fn, device_id, sync_module_states, forward_prefetch, limit_all_gathers,
+                use_orig_params, ignored_states, device_mesh)
         # The unit's one home for its state (see [Note: Unit state] in _state.py).
-        state = self.__dict__["_unit_state"] = UnitState(_unit_name, module)
-        state.process_group = shard_group
-        state.replicate_group = replicate_group
-        state.rank = dist.get_rank(shard_group)
-        state.world_size = dist.get_world_size(shard_group)
-        replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-        # Gradients are averaged over every data-parallel rank: divided before and after the SUM.
-        state.predivide, state.postdivide = _mixed_precision.gradient_divide_factors(state.world_size * replicas)
-        state.mixed_precision = _mixed_precision.check_mixed_precision(mixed_precision)
-        state.offload_params = _mixed_precision.check_cpu_offload(cpu_offload)
-        state.use_orig_params = bool(use_orig_params)
-        state.shard_factor = 1 if strategy == ShardingStrategy.NO_SHARD else state.world_size
-        state.sharding_strategy = strategy
-        state.reshard_after_forward = strategy in RESHARD_AFTER_FORWARD
-        state.backward_prefetch = backward_prefetch
-        state.forward_prefetch = bool(forward_prefetch)
-        state.limit_all_gathers = bool(limit_all_gathers)
-        state.param_init_fn = param_init_fn
-        state.sync_module_states = bool(sync_module_states)
-        state.device = _construction.resolve_device(device_id, module, _unit_name)
-        state.device_id_given = device_id is not None
-        state.device_mesh_given = device_mesh is not None or _device_mesh_given
-
-        ignored = _construction.expand_ignored(ignored_modules, module)
-        state.ignored_modules = ignored
-        ignored_params = {p for m in ignored for p in m.parameters(recurse=False)} | extra_ignored
-        ignored_params |= _ignored_params or set()
-
+        self.__dict__["_unit_state"] = UnitState(_unit_name, module, _config,
+                                                 _construction.unit_device(_config.device_id, module))
         if auto_wrap_policy is not None:
-            child_kwargs = dict(
-                # The resolved groups: children must not create groups of their own.
-                process_group=(shard_group, replicate_group) if replicate_group is not None else shard_group,
-                sharding_strategy=strategy,
-                backward_prefetch=backward_prefetch,
-                ignored_modules=ignored,
-                _ignored_params=ignored_params,
-                device_id=device_id,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                param_init_fn=param_init_fn,
-                sync_module_states=sync_module_states,
-                mixed_precision=state.mixed_precision,
-                cpu_offload=cpu_offload,
-                use_orig_params=use_orig_params,
-                _device_mesh_given=state.device_mesh_given,
-            )
-            names = {m: name for name, m in module.named_modules()}
-            individually = _mixed_precision.individually_wrapped(state.mixed_precision)
-            plan = _plan_wraps(
-                module,
-                auto_wrap_policy,
-                ignored,
-                ignored_params,
-                is_unit,
-                individually,
-            )
-            _mixed_precision.run_in_fp32(
-                [m for m, o in plan if individually and isinstance(m, individually) and o.get("mixed_precision", 0) is None]
-            )
-            parents = _construction.parent_slots(module)
-            for target, overrides in plan:
-                parent, attr = parents[target]
-                name = join(_unit_name, names[target])
-                setattr(parent, attr, type(self)(target, **{**child_kwargs, **overrides}, _unit_name=name))
-
+            _wrap_children(type(self), module, auto_wrap_policy, _config, _unit_name)
         self._fsdp_wrapped_module = module
-        _construction.build_flat_param(self, module, ignored, ignored_params)
+        state = self._unit_state
+        _construction.build_flat_param(self, module)
         if state.handle is not None:
             _runtime.set_views(state, state.placeholders, placeholders=True)
         _state_dict_load.register_load_hooks(self)
@@ -282,14 +222,14 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
             probe = fn(torch.empty(0, dtype=flat.dtype, device=flat.device))
             if probe.device != flat.device:
                 fix = ("with cpu_offload the shards stay on the host on purpose: leave the module where it is"
-                       if state.offload_params else
+                       if state.config.offload_params else
                        "Move the module before wrapping it (device_id= moves it at wrap time)")
                 raise ValueError(
                     f"FullyShardedDataParallel: unit '{state.label}': expected no move after "
                     f"wrapping but got {flat.device} -> {probe.device}. {fix}."
                 )
             cast = probe.dtype != flat.dtype
-            if cast and state.use_orig_params:  # the flat shard first: the parameters are views of it
+            if cast and state.config.use_orig_params:  # the flat shard first: the parameters are views of it
                 _orig_params.writeback(state)  # (a zero_grad since the last step included)
                 with torch.no_grad():
                     flat.data = flat.data.to(probe.dtype)
@@ -312,7 +252,7 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         # The wrapped module replaced after wrapping (apply_activation_checkpointing after wrapping
         # puts a checkpoint wrapper around it, as accelerate and Lightning do): the runtime calls the new one.
         if name == WRAPPED and "_unit_state" in self.__dict__:
-            self._unit_state.module = value
+            self._unit_state.wrapped_module = value
         nn.Module.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:

@@ -1,4 +1,4 @@
-// Scheduler and FlatParam logic over a real c10d ProcessGroup whose backend is
+// Scheduler and FlatParamHandle logic over a real c10d ProcessGroup whose backend is
 // `ThreadBackend`: ranks are threads of this process that meet at a barrier
 // (torch's wheel ships no gloo headers to build a gloo group from C++). Calls
 // go through the same c10d dispatch as gloo or NCCL.
@@ -21,7 +21,7 @@
 #include "flatshard/scheduler.h"
 
 using flatshard::Collectives;
-using flatshard::FlatParam;
+using flatshard::FlatParamHandle;
 using flatshard::FlatParamLayout;
 using flatshard::FlatParamOptions;
 using flatshard::Scheduler;
@@ -124,7 +124,7 @@ std::vector<at::Tensor> params() {
 TEST(Scheduler, UnshardWaitReshardAndIdempotence) {
   run_ranks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
     FlatParamLayout layout({{3, 2}, {5}}, 2);
-    FlatParam unit("unit", layout, rank, params());
+    FlatParamHandle unit("unit", layout, rank, params());
     EXPECT_EQ(unit.local_shard().numel(), 6);
     EXPECT_TRUE(at::equal(unit.local_shard(), at::arange(rank * 6, rank * 6 + 6, at::kFloat)
                                                   .masked_fill(at::arange(rank * 6, rank * 6 + 6) >= 11, 0)));
@@ -162,7 +162,7 @@ TEST(Scheduler, ReduceGradAveragesAccumulatesAndWritesGradShard) {
     FlatParamLayout layout({{3, 2}, {5}}, 2);
     FlatParamOptions options;
     options.predivide = 2.0;  // the average over 2 ranks, all divided before the SUM
-    FlatParam unit("unit", layout, rank, params(), options);
+    FlatParamHandle unit("unit", layout, rank, params(), options);
     Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
     const float r = static_cast<float>(rank + 1);  // rank 0 sends 1s, rank 1 sends 2s
     // Two uses before the reduction: the flat gradient accumulates (2r), the
@@ -194,7 +194,7 @@ TEST(Scheduler, ReplicatedUnitNeedsNoAllGatherAndAllReducesGradients) {
     FlatParamLayout layout({{3, 2}, {5}}, 1);  // NO_SHARD: shard factor 1
     FlatParamOptions options;
     options.predivide = 2.0;
-    FlatParam unit("unit", layout, 0, params(), options);
+    FlatParamHandle unit("unit", layout, 0, params(), options);
     EXPECT_TRUE(unit.is_replicated());
     Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
     scheduler.unshard(unit);
@@ -212,16 +212,16 @@ TEST(Scheduler, ReplicatedUnitNeedsNoAllGatherAndAllReducesGradients) {
   });
 }
 
-TEST(FlatParam, RejectsMismatchedShapesAndNamesTheUnit) {
+TEST(FlatParamHandle, RejectsMismatchedShapesAndNamesTheUnit) {
   FlatParamLayout layout({{3, 2}}, 2);
   try {
-    FlatParam unit("blocks.3", layout, 0, {at::zeros({7})});
+    FlatParamHandle unit("blocks.3", layout, 0, {at::zeros({7})});
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("shape [7] but the layout expects [3, 2]"), std::string::npos);
   }
   try {
-    FlatParam unit("blocks.3", layout, 2, {at::zeros({3, 2})});
+    FlatParamHandle unit("blocks.3", layout, 2, {at::zeros({3, 2})});
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("unit 'blocks.3'"), std::string::npos);

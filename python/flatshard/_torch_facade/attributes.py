@@ -45,28 +45,28 @@ class TorchAttributes:
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        return self._unit_state.sharding_strategy
+        return self._unit_state.config.sharding_strategy
 
     @property
     def process_group(self) -> dist.ProcessGroup:
         """The shard group (torch: the group the unit's parameters are sharded over)."""
-        return self._unit_state.process_group
+        return self._unit_state.config.process_group
 
     @property
     def mixed_precision(self) -> MixedPrecision:
-        return self._unit_state.mixed_precision or MixedPrecision()
+        return self._unit_state.config.mixed_precision or MixedPrecision()
 
     @property
     def cpu_offload(self) -> CPUOffload:
-        return CPUOffload(offload_params=self._unit_state.offload_params)
+        return CPUOffload(offload_params=self._unit_state.config.offload_params)
 
     @property
     def rank(self) -> int:
-        return self._unit_state.rank
+        return self._unit_state.config.rank
 
     @property
     def world_size(self) -> int:
-        return self._unit_state.world_size
+        return self._unit_state.config.world_size
 
     @property
     def compute_device(self) -> torch.device:
@@ -74,15 +74,15 @@ class TorchAttributes:
 
     @property
     def limit_all_gathers(self) -> bool:
-        return self._unit_state.limit_all_gathers
+        return self._unit_state.config.limit_all_gathers
 
     @property
     def forward_prefetch(self) -> bool:
-        return self._unit_state.forward_prefetch
+        return self._unit_state.config.forward_prefetch
 
     @property
     def backward_prefetch(self) -> BackwardPrefetch | None:
-        return self._unit_state.backward_prefetch
+        return self._unit_state.config.backward_prefetch
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -133,7 +133,7 @@ class TorchAttributes:
 
     @property
     def _use_orig_params(self) -> bool:
-        return self._unit_state.use_orig_params
+        return self._unit_state.config.use_orig_params
 
     @property
     def _sync_gradients(self) -> bool:
@@ -225,27 +225,27 @@ class HandleView:
 
     @property
     def _fully_sharded_module(self) -> nn.Module:
-        return self._state.module
+        return self._state.wrapped_module
 
     @property
     def _use_orig_params(self) -> bool:
-        return self._state.use_orig_params
+        return self._state.config.use_orig_params
 
     @property
     def _offload_params(self) -> bool:
-        return self._state.offload_params
+        return self._state.config.offload_params
 
     @property
     def uses_sharded_strategy(self) -> bool:
-        return self._state.sharding_strategy != ShardingStrategy.NO_SHARD
+        return self._state.config.sharding_strategy != ShardingStrategy.NO_SHARD
 
     @property
     def rank(self) -> int:
-        return self._state.rank
+        return self._state.config.rank
 
     @property
     def world_size(self) -> int:
-        return self._state.world_size
+        return self._state.config.world_size
 
     @property
     def device(self) -> torch.device:

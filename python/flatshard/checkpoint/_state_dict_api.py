@@ -21,7 +21,6 @@ import contextlib
 from typing import Any, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import state_dict as torch_dsd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -29,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from flatshard._broadcast import broadcast_from_rank0
 from flatshard._common import clean_name, fsdp_modules, is_unit, join
 from flatshard._optim_state_dict import optim_state_dict, optim_state_dict_to_load
-from flatshard._profiling import collective_range
 from flatshard._state_dict import state_dict_type
 from flatshard.api import (
     FullOptimStateDictConfig,

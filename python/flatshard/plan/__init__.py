@@ -6,7 +6,7 @@ arguments, by the same code the constructor runs: the auto-wrap plan, each unit'
 parameters, the runtime's own ``FlatParamLayout`` (padding to the shard factor included) and
 the mixed-precision dtypes (see ``_units.py``). From those it reports per unit the input bytes
 of each collective of one training step, exact (``_costs.py``, [Note: What a step moves];
-the runtime counts the same bytes, ``_C.FlatParam.collective_bytes``), and per rank the
+the runtime counts the same bytes, ``_C.FlatParamHandle.collective_bytes``), and per rank the
 memory flatshard holds (``_costs.py``, [Note: What a rank holds]). ``python -m
 flatshard.plan`` does this from an HF config. (``flatshard.plan`` is the package, callable: see
 ``_CallablePackage``.)

@@ -1,0 +1,64 @@
+"""A unit's configuration: what a front-end resolves once and the runtime only reads.
+
+[Note: Unit configuration]
+A front-end turns its arguments into one frozen ``UnitConfig`` (the class: torch FSDP1's
+constructor arguments, in _fsdp1_config.py) and hands it, with the modules, to the
+construction (_construction.py); every unit keeps it as ``UnitState.config``. Nothing
+changes it after wrap time, and the runtime never writes it: the groups are made, the
+strategy, prefetch, dtypes and offload validated, once per wrap call. The units an
+auto-wrap policy makes share their parent's object; a policy that overrides an argument
+for one module (a ``CustomPolicy`` returning a dict) gives that unit a changed copy.
+
+Where a unit's storage lives (``UnitState.device``) is not configuration: with
+``device_id`` it is that device, else it follows the unit's own modules (or the device
+``param_init_fn`` materialized them on), so it is decided unit by unit at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from flatshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UnitConfig:
+    """How a unit shards, communicates and computes (see [Note: Unit configuration])."""
+
+    # --- groups
+    process_group: dist.ProcessGroup  # the shard group
+    replicate_group: dist.ProcessGroup | None  # hybrid sharding's replicate group, else None
+    rank: int  # this rank in the shard group
+    world_size: int  # the shard group's size
+    # --- strategy
+    sharding_strategy: ShardingStrategy
+    shard_factor: int  # ranks the flat parameter is split over (1: NO_SHARD)
+    reshard_after_forward: bool  # FULL_SHARD, HYBRID_SHARD
+    predivide: float  # gradient division before the SUM (see _mixed_precision.gradient_divide_factors)
+    postdivide: float  # and after it
+    # --- scheduling
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    # --- dtypes and placement
+    mixed_precision: MixedPrecision | None  # torch's MixedPrecision, or None
+    offload_params: bool  # the shards live in host memory (CPUOffload(offload_params=True))
+    use_orig_params: bool
+    device_id: torch.device | None  # the device every unit computes on, or None: each follows its modules
+    # --- construction
+    param_init_fn: Callable[[nn.Module], None] | None
+    sync_module_states: bool
+    device_mesh_given: bool  # built from a device_mesh: SHARDED state dicts hold DTensors (else ShardedTensors)
+    ignored_modules: frozenset[nn.Module]  # the expanded set
+    ignored_params: frozenset[nn.Parameter]
+
+    def replace(self, **changes) -> UnitConfig:
+        """A changed copy (an auto-wrap override)."""
+        return dataclasses.replace(self, **changes)
