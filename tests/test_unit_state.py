@@ -269,3 +269,16 @@ def test_one_configuration_per_wrap_call_and_a_copy_per_override():
     assert found["others share the root's"], found
     assert found["override"] == (True, "NO_SHARD", 1, True, True), found
     assert "the overrides for Block name ['_unit_name', 'auto_wrap_policy']" in found["unknown override"], found
+
+
+def test_the_resolver_reads_every_constructor_argument():
+    """_fsdp1_config.resolve reads the class's arguments by name: the two lists agree (a new argument is
+    resolved, or the test says which is missing)."""
+    import inspect
+
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard._fsdp1_config import ARGUMENTS
+
+    names = [n for n in inspect.signature(FSDP.__init__).parameters
+             if n not in ("self", "module", "auto_wrap_policy") and not n.startswith("_")]
+    assert tuple(names) == ARGUMENTS

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -22,27 +22,20 @@ from flatshard._config import UnitConfig
 from flatshard.api import BackwardPrefetch, CPUOffload, ShardingStrategy
 
 
-def resolve(
-    module: nn.Module,
-    process_group: Any = None,
-    sharding_strategy: ShardingStrategy | None = None,
-    cpu_offload: CPUOffload | None = None,
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-    mixed_precision: Any = None,
-    ignored_modules: Iterable[nn.Module] | None = None,
-    param_init_fn: Callable[[nn.Module], None] | None = None,
-    device_id: int | torch.device | None = None,
-    sync_module_states: bool = False,
-    forward_prefetch: bool = False,
-    limit_all_gathers: bool = True,
-    use_orig_params: bool = False,
-    ignored_states: Iterable[Any] | None = None,
-    device_mesh: Any | None = None,
-    *,
-    ignored_params: Iterable[nn.Parameter] = (),
-    device_mesh_given: bool = False,
-) -> UnitConfig:
-    """The configuration of the unit wrapping ``module`` (torch FSDP1's arguments, validated)."""
+# The constructor arguments a unit's configuration is resolved from (``auto_wrap_policy`` makes units; it is not
+# configuration).
+ARGUMENTS = ("process_group", "sharding_strategy", "cpu_offload", "backward_prefetch", "mixed_precision",
+             "ignored_modules", "param_init_fn", "device_id", "sync_module_states", "forward_prefetch",
+             "limit_all_gathers", "use_orig_params", "ignored_states", "device_mesh")
+
+
+def resolve(module: nn.Module, arguments: Mapping[str, Any], *, ignored_params: Iterable[nn.Parameter] = (),
+            device_mesh_given: bool = False) -> UnitConfig:
+    """The configuration of the unit wrapping ``module``: ``arguments`` are the class's constructor arguments by
+    name (the class's signature holds their defaults), validated here."""
+    (process_group, sharding_strategy, cpu_offload, backward_prefetch, mixed_precision, ignored_modules,
+     param_init_fn, device_id, sync_module_states, forward_prefetch, limit_all_gathers, use_orig_params,
+     ignored_states, device_mesh) = (arguments[name] for name in ARGUMENTS)
     ignored_modules, extra_ignored = split_ignored_states(ignored_modules, ignored_states)
     strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
     if not isinstance(strategy, ShardingStrategy):
@@ -117,14 +110,16 @@ def resolve_overrides(config: UnitConfig, module: nn.Module, overrides: dict[str
         forward_prefetch=config.forward_prefetch,
         limit_all_gathers=config.limit_all_gathers,
         use_orig_params=config.use_orig_params,
+        ignored_states=None,
+        device_mesh=None,
     )
-    unknown = sorted(set(overrides) - set(inherited))
+    unknown = sorted(set(overrides) - set(inherited) | set(overrides) & {"ignored_states", "device_mesh"})
     if unknown:
         raise ValueError(
             f"FullyShardedDataParallel: auto_wrap_policy: the overrides for {type(module).__name__} name "
             f"{unknown}, which are not FullyShardedDataParallel arguments a unit can override; return a dict of "
             f"constructor arguments (sharding_strategy=, mixed_precision=, ...) or True/False.")
-    return resolve(module, **{**inherited, **overrides}, ignored_params=config.ignored_params,
+    return resolve(module, {**inherited, **overrides}, ignored_params=config.ignored_params,
                    device_mesh_given=config.device_mesh_given)
 
 

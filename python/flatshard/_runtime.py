@@ -268,7 +268,8 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         return recompute(s, args, kwargs)
     if s.is_root:
         _root_pre_forward(unit)
-    args, kwargs = _forward_inputs(s, args, kwargs)
+    if s.is_root or s.forward_input_dtype is not None:
+        args, kwargs = _forward_inputs(s, args, kwargs)
     grad_enabled = torch.is_grad_enabled()
     use = _pre_forward(s, grad_enabled)
     s.switch("forward")

@@ -62,23 +62,24 @@ class TrainingState(enum.Enum):
     SUMMONING = "summoning"
 
 
-_IN_BACKWARD = frozenset({TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD})
-_ANY = frozenset(TrainingState)
+# (Tuples, not sets: a membership test compares identities, where a set would call Enum's Python-level __hash__,
+# five times per unit per step.)
+_IN_BACKWARD = (TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+_ANY = tuple(TrainingState)
 
 # hook: (the states the unit may be in when the hook runs, the state it leaves the unit in); see [Note: Unit state].
-TRANSITIONS: dict[str, tuple[frozenset[TrainingState], TrainingState]] = {
-    "forward": (frozenset({TrainingState.IDLE}), TrainingState.FORWARD),
-    "end of forward": (frozenset({TrainingState.FORWARD}), TrainingState.IDLE),
+TRANSITIONS: dict[str, tuple[tuple[TrainingState, ...], TrainingState]] = {
+    "forward": ((TrainingState.IDLE,), TrainingState.FORWARD),
+    "end of forward": ((TrainingState.FORWARD,), TrainingState.IDLE),
     "recompute": (_IN_BACKWARD, TrainingState.PRE_BACKWARD),
     "pre-backward": (_IN_BACKWARD, TrainingState.PRE_BACKWARD),
-    "post-backward": (frozenset({TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD}),
-                      TrainingState.POST_BACKWARD),
+    "post-backward": ((TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD), TrainingState.POST_BACKWARD),
     "frozen post-backward": (_IN_BACKWARD, TrainingState.POST_BACKWARD),
     "end of backward": (_ANY, TrainingState.IDLE),
     "abort of backward": (_ANY, TrainingState.IDLE),
     "summon": (_IN_BACKWARD, TrainingState.SUMMONING),
-    "end of summon": (frozenset({TrainingState.SUMMONING}), TrainingState.IDLE),
-    "reset": (_ANY - {TrainingState.SUMMONING}, TrainingState.IDLE),
+    "end of summon": ((TrainingState.SUMMONING,), TrainingState.IDLE),
+    "reset": (tuple(t for t in TrainingState if t is not TrainingState.SUMMONING), TrainingState.IDLE),
 }
 
 

@@ -148,16 +148,14 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         _unit_name: str = "",
         _config: UnitConfig | None = None,
     ):
+        arguments = dict(locals())  # (first: the constructor's arguments by name, for _fsdp1_config.resolve)
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"FullyShardedDataParallel: module: expected an nn.Module but got {type(module).__name__}; pass the "
                 f"model to wrap (FSDP(model)), not a tensor or its parameters.")
         nn.Module.__init__(self)  # (not super(): see [Note: flatshard as torch's FSDP] in _torch_facade/opt_in.py)
         if _config is None:  # the unit the user wraps: its arguments, resolved once (see [Note: Unit configuration])
-            _config = _fsdp1_config.resolve(
-                module, process_group, sharding_strategy, cpu_offload, backward_prefetch, mixed_precision,
-                ignored_modules, param_init_fn, device_id, sync_module_states, forward_prefetch, limit_all_gathers,
-                use_orig_params, ignored_states, device_mesh)
+            _config = _fsdp1_config.resolve(module, arguments)
         # The unit's one home for its state (see [Note: Unit state] in _state.py).
         self.__dict__["_unit_state"] = UnitState(_unit_name, module, _config,
                                                  _construction.unit_device(_config.device_id, module))
