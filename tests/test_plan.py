@@ -14,10 +14,12 @@ configs is checked against totals computed by hand here, and must run in under 1
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -119,18 +121,60 @@ LLAMAS = {  # name: (vocab, hidden, intermediate, layers, heads, kv_heads)
 }
 
 
+FAKE_PG_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "plan_under_fake_pg.py")
+
+
+@pytest.fixture(scope="module")
+def separate_runs(tmp_path_factory):
+    """The module's runs of their own interpreter (the CLI on each Llama's shapes and with --plot, the fake process
+    group's script), started together at the first test that asks: each is mostly its imports, on one core.
+    {name: (child, stdout path, stderr path, workdir)}; a test waits for its own."""
+    runs = {}
+
+    def start(name, argv):
+        where = tmp_path_factory.mktemp(name)
+        out, err = where / "out", where / "err"
+        with open(out, "w") as o, open(err, "w") as e:
+            runs[name] = (subprocess.Popen(argv(where), stdout=o, stderr=e), out, err, where)
+
+    if importlib.util.find_spec("transformers") is not None:
+        for name, shape in LLAMAS.items():
+            start(name, lambda where, name=name, shape=shape: [
+                sys.executable, "-m", "flatshard.plan", "--hf-config", _llama_config(where, name, *shape),
+                "--world-size", "64", "--mixed-precision", "bf16", "--json"])
+    start("plot", lambda where: [sys.executable, "-m", "flatshard.plan", "--hf-config",
+                                 _llama_config(where, "small", 1000, 256, 512, 4, 8, 4), "--world-size", "16",
+                                 "--plot", str(where / "plan.png")])
+    start("fake_pg", lambda where: [sys.executable, FAKE_PG_SCRIPT, "8", "64", "1024"])
+    yield runs
+    for child, *_ in runs.values():
+        if child.returncode is None and child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _finished(child, timeout):
+    """Waits for ``child`` (at most ``timeout`` s: a hang's bound); its resource usage (its own peak memory,
+    unlike subprocess.run's)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            child.returncode = os.waitstatus_to_exitcode(status)
+            return usage
+        if time.monotonic() > deadline:
+            child.kill()
+            raise AssertionError(f"{child.args} did not end within {timeout} s")
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("name", list(LLAMAS))
-def test_cli_on_llama_shapes_matches_hand_computed_totals(name, tmp_path):
+def test_cli_on_llama_shapes_matches_hand_computed_totals(name, separate_runs):
     pytest.importorskip("transformers")
     vocab, hidden, inter, layers, heads, kv = LLAMAS[name]
     world = 64
-    stdout, stderr = tmp_path / "out", tmp_path / "err"
-    with open(stdout, "w") as out, open(stderr, "w") as err:
-        child = subprocess.Popen([sys.executable, "-m", "flatshard.plan", "--hf-config",
-                                  _llama_config(tmp_path, name, *LLAMAS[name]), "--world-size", str(world),
-                                  "--mixed-precision", "bf16", "--json"], stdout=out, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)  # (its own peak memory, unlike subprocess.run's)
-        child.returncode = os.waitstatus_to_exitcode(status)
+    child, stdout, stderr, _ = separate_runs[name]
+    usage = _finished(child, 600)
     assert child.returncode == 0, stderr.read_text()
     # The model is never built for real (meta device): in fp32 either needs 32 GB or more (the CLI alone, imports
     # included, peaks near 0.4 GB on a CPU build of torch).
@@ -156,26 +200,25 @@ def test_cli_on_llama_shapes_matches_hand_computed_totals(name, tmp_path):
     assert step["reduce_scatter"] == 2 * (layers * padded(layer) + padded(root))
 
 
-def test_planned_bytes_equal_counted_bytes_under_the_fake_process_group():
+def test_planned_bytes_equal_counted_bytes_under_the_fake_process_group(separate_runs):
     """One process as rank 3 of W = 8, 64, 1024 (torch's fake process group; the rank guard and the exit drain
     run as they do for real, see [Note: The guard under a fake process group]); hybrid with shard groups of 8."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "plan_under_fake_pg.py")
-    done = subprocess.run([sys.executable, script, "8", "64", "1024"], capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    cases = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(cases) == 3 * 4 * 2, done.stdout[-2000:]
+    child, stdout, stderr, _ = separate_runs["fake_pg"]
+    _finished(child, 600)
+    assert child.returncode == 0, stderr.read_text()[-3000:]
+    cases = [json.loads(line) for line in stdout.read_text().splitlines() if line.startswith("{")]
+    assert len(cases) == 3 * 4 * 2, stdout.read_text()[-2000:]
     for case in cases:
         assert case["counted"] and case["planned"] == case["counted"], (
             f"{case['case']}: planned {case['planned']} vs counted {case['counted']}")
 
 
-def test_cli_plot(tmp_path):
+def test_cli_plot(separate_runs):
     """``--plot`` writes the figure (memory per rank against world size, bytes per unit)."""
-    path = tmp_path / "plan.png"
-    done = subprocess.run([sys.executable, "-m", "flatshard.plan", "--hf-config",
-                           _llama_config(tmp_path, "small", 1000, 256, 512, 4, 8, 4), "--world-size", "16",
-                           "--plot", str(path)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
+    child, _, stderr, where = separate_runs["plot"]
+    _finished(child, 600)
+    assert child.returncode == 0, stderr.read_text()
+    path = where / "plan.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 

@@ -3,7 +3,10 @@
 tests/scripts/plan_memory_cases.py runs, with the malloc counter preloaded ([Note: Measuring
 memory on a CPU] in tests/_memcount.py), the tests' GPT for FULL_SHARD, SHARD_GRAD_OP,
 NO_SHARD and HYBRID_SHARD, each plain, with ``no_sync``, bf16 mixed precision and CPU offload,
-at W = 1, 2, 4 over gloo and as rank 3 of W = 8, 64, 1024 under torch's fake process group;
+at W = 1, 2 over gloo and as rank 3 of W = 8, 64, 1024 under torch's fake process group (hybrid
+with shard groups of 8: real replicas at W = 64 and 1024); the gloo ranks at W = 4 (a 2x2
+hybrid mesh), 64 cases more on two cores, are measured for benchmarks/RESULTS.md by
+``python tests/scripts/plan_memory_cases.py gloo 1 2 4`` and left out of the test command;
 the activation term comes from ``flatshard.plan.profile_activations`` on the rank's batch.
 
 Tolerances (the planned peak over the measured one; benchmarks/RESULTS.md has the table): the
@@ -43,14 +46,14 @@ def _cases(proc):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-# A hang's bound, not a speed claim: 58 s on two idle cores, over 300 s (pytest's default here) on a busy one.
+# A hang's bound, not a speed claim: about a minute on two idle cores, over 300 s (pytest's default here) on a busy one.
 @pytest.mark.timeout(1800)
 def test_planned_peak_memory_is_the_measured_peak():
     # The fake group's cases (one process, no threads) go on beside the gloo ranks': each process's peak is its
     # own (the counter is per process), and the gloo ranks' W = 1 and 2 leave a core free most of the time.
     fake_run = _start("fake", "8", "64", "1024")
-    gloo, fake = _cases(_start("gloo", "1", "2", "4")), _cases(fake_run)
-    assert len(gloo) == 16 * (1 + 2 + 4) and len(fake) == 16 * 3, (len(gloo), len(fake))
+    gloo, fake = _cases(_start("gloo", "1", "2")), _cases(fake_run)
+    assert len(gloo) == 16 * (1 + 2) and len(fake) == 16 * 3, (len(gloo), len(fake))
     ratios = {f"{c['case']} rank {c['rank']}": c["planned"] / c["measured"] for c in gloo + fake}
     table = "\n".join(f"{name}: {ratio:.3f}" for name, ratio in ratios.items())
     outside = {name: round(r, 3) for name, r in ratios.items() if not 0.93 <= r <= 1.10}

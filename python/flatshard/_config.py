@@ -58,7 +58,3 @@ class UnitConfig:
     device_mesh_given: bool  # built from a device_mesh: SHARDED state dicts hold DTensors (else ShardedTensors)
     ignored_modules: frozenset[nn.Module]  # the expanded set
     ignored_params: frozenset[nn.Parameter]
-
-    def replace(self, **changes) -> UnitConfig:
-        """A changed copy (an auto-wrap override)."""
-        return dataclasses.replace(self, **changes)

@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from flatshard import _C, _comm_hooks, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch
-from flatshard._common import UsageError, clean_name, in_backward, is_unit, logger, tensors_in, to_device
+from flatshard._common import UsageError, clean_name, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import RootState, TrainingState, UnitState
@@ -264,7 +264,7 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         if s.is_root and s.device.type != "cpu":
             args, kwargs = to_device((args, kwargs), s.device)
         return s.wrapped_module(*args, **kwargs)
-    if in_backward():
+    if torch._C._current_graph_task_id() != -1:  # in a backward (common.in_backward, one call less per unit)
         return recompute(s, args, kwargs)
     if s.is_root:
         _root_pre_forward(unit)
@@ -397,6 +397,10 @@ def forward_raised(unit: FullyShardedDataParallel, error: BaseException) -> None
 
 def _hook_outputs(output: Any, hook: Callable) -> None:
     """``hook`` runs at the first gradient w.r.t. any tensor of ``output``: the use's pre-backward."""
+    if type(output) is torch.Tensor:  # the common case, without walking a structure
+        if output.requires_grad:
+            output.register_hook(hook)
+        return
     tensors = [t for t in tensors_in(output) if t.requires_grad]
     if len(tensors) == 1:  # the common case, and much cheaper than a multi-grad hook
         tensors[0].register_hook(hook)
@@ -500,8 +504,9 @@ def queue_end_of_backward(root: RootState) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))
 
 
-def _check_backward_allowed(s: UnitState) -> None:
-    """A backward through a unit that is summoned, or inside its own forward, is the caller's misuse."""
+def _refuse_backward(s: UnitState) -> None:
+    """A backward through a unit that is summoned, or inside its own forward, is the caller's misuse: raises
+    (the hooks test the state inline, a call less per unit on the hot path)."""
     if s.training_state is SUMMONING:
         raise UsageError(
             f"FullyShardedDataParallel: a backward through unit '{s.label}' ran inside summon_full_params; run "
@@ -514,8 +519,10 @@ def _check_backward_allowed(s: UnitState) -> None:
 
 
 def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> None:
-    _check_backward_allowed(s)
-    queue_end_of_backward(s.root)
+    if s.training_state is SUMMONING or s.training_state is FORWARD:
+        _refuse_backward(s)
+    if not s.root.final_callback_queued:
+        queue_end_of_backward(s.root)
     if s.handle is not None:
         s.switch("pre-backward")
         ahead = (_backward_prefetch_target(order, index - 1)
@@ -527,7 +534,8 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
 
 
 def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]) -> None:
-    _check_backward_allowed(s)
+    if s.training_state is SUMMONING or s.training_state is FORWARD:
+        _refuse_backward(s)
     s.switch("post-backward")
     use.finish()
     if s.config.use_orig_params:
