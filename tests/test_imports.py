@@ -9,14 +9,17 @@ import subprocess
 import sys
 
 
-def test_import_flatshard_leaves_the_planner_until_it_is_used():
+def test_import_flatshard_leaves_the_planner_and_dynamo_until_they_are_used():
+    """Neither the planner nor torch._dynamo (seconds of every process's start; see [Note: Lazy dynamo]) is
+    imported by ``import flatshard``."""
     done = subprocess.run([sys.executable, "-c", "import sys, flatshard\n"
+                           "print('torch._dynamo' in sys.modules)\n"
                            "print(sorted(m for m in sys.modules if m.startswith('flatshard.plan')))\n"
                            "flatshard.plan.measure_activations\n"
                            "print(callable(flatshard.plan), 'flatshard.plan._costs' in sys.modules)"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["[]", "True True"], done.stdout
+    assert done.stdout.splitlines() == ["False", "[]", "True True"], done.stdout
 
 
 # The runtime layer (DESIGN.md's "Layers"): what either front-end hands modules to. It imports nothing of a

@@ -225,7 +225,7 @@ class RankGuard:
         """The units' dtypes changed (a cast after wrapping): describe them again."""
         self._model = None
 
-    @torch.compiler.disable  # (a compiled forward calls it as it is: a graph break, as at every collective)
+    @torch._disable_dynamo  # (a compiled forward calls it as it is, a graph break as at every collective; see [Note: Lazy dynamo])
     def check(self, root: RootState, phase: str) -> None:
         """Collective over the root's ranks: raises RankDivergenceError on every rank if any differs."""
         if self.group is None:
@@ -396,7 +396,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-@torch.compiler.disable  # (lazy init may run inside a compiled forward: process groups are not traceable)
+@torch._disable_dynamo  # (lazy init may run inside a compiled forward: process groups are not traceable; [Note: Lazy dynamo])
 def create(root: RootState) -> RankGuard:
     return RankGuard(root)
 

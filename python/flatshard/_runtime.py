@@ -408,7 +408,14 @@ def _hook_outputs(output: Any, hook: Callable) -> None:
         torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
 
 
-@torch.compiler.disable  # (a compiled forward calls it as it is: the C++ handles are not traceable)
+# [Note: Lazy dynamo]
+# The few functions a compiled forward must call as they are (the guard's check, its creation at lazy init,
+# the forward's guard call: process groups and C++ handles are not traceable) are marked with
+# torch._disable_dynamo, not torch.compiler.disable: the same mark, applied at the first call, so that
+# `import flatshard` does not import torch._dynamo (seconds of a process's start, for every rank and tool
+# that never compiles). torch marks its own functions so (torch.manual_seed, the optimizers' hooks); dynamo
+# knows the wrapper (trace_rules). tests/test_imports.py checks the import, tests/test_compile.py the graphs.
+@torch._disable_dynamo  # (a compiled forward calls it as it is: the C++ handles are not traceable; [Note: Lazy dynamo])
 def _guard_forward(root: RootState) -> None:
     """The guard's check before a forward that will all-gather something: it checks, and counts, only those
     (see [Note: Rank-divergence guard])."""
