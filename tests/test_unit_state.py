@@ -218,10 +218,28 @@ def _backward_inside_summon(rank, world_size):
     with FSDP.summon_full_params(model):
         with pytest.raises(UsageError, match=r"a backward through unit '.*' ran inside summon_full_params"):
             loss.backward()
+
+    # A unit whose module calls the unit itself again: named, before anything of the inner call runs.
+    class CallsItsUnit(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.unit = None
+
+        def forward(self, x):
+            return self.linear(x) if self.unit is None else self.unit.__call__(x)
+
+    inner = CallsItsUnit()
+    unit = FSDP(inner, device_id=torch.device("cpu"))
+    inner.__dict__["unit"] = unit  # (not a submodule: only the call)
+    with pytest.raises(UsageError, match=r"unit '<root>' was called inside its own forward"):
+        unit(torch.ones(2, 4))
+    inner.__dict__["unit"] = None
+    unit(torch.ones(2, 4)).sum().backward()  # the unit is usable after the refusal
     return True
 
 
-def test_backward_inside_summon_is_a_usage_error():
+def test_backward_inside_summon_and_a_unit_inside_its_own_forward_are_usage_errors():
     """A user's misuse reaches the hooks' state checks as an error naming it, not as our assertion."""
     assert run_distributed(_backward_inside_summon, 2) == [True, True]
 
@@ -252,9 +270,17 @@ def _configurations(rank, world_size):
     found["override"] = (overridden is not root, overridden.sharding_strategy.name, overridden.shard_factor,
                          overridden.process_group is root.process_group, overridden.device_id == root.device_id)
 
-    bad = CustomPolicy(lambda m: {"sharding_strategy": ShardingStrategy.NO_SHARD, "auto_wrap_policy": None,
+    # An override may give the unit a policy of its own, for its subtree (as torch's FSDP1 passes it on).
+    gpt = make_gpt()
+    first = gpt.blocks[0]
+    inner = CustomPolicy(lambda m: {"auto_wrap_policy": ModuleWrapPolicy({torch.nn.Linear})} if m is first
+                         else isinstance(m, Block))
+    model = FSDP(gpt, auto_wrap_policy=inner, device_id=torch.device("cpu"))
+    found["inner policy"] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDP) and ".blocks.0." in n)
+
+    bad = CustomPolicy(lambda m: {"sharding_strategy": ShardingStrategy.NO_SHARD, "bogus": 1,
                                   "_unit_name": "x"} if isinstance(m, Block) else False)
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(TypeError) as raised:
         FSDP(make_gpt(), auto_wrap_policy=bad, device_id=torch.device("cpu"))
     found["unknown override"] = str(raised.value)
     return found
@@ -262,13 +288,15 @@ def _configurations(rank, world_size):
 
 def test_one_configuration_per_wrap_call_and_a_copy_per_override():
     """[Note: Unit configuration]: the units one call makes share its frozen UnitConfig; a CustomPolicy's
-    overrides give that unit a copy resolved again (the parent's groups reused); an override that is no
-    constructor argument is refused by name."""
+    overrides give that unit a copy resolved again (the parent's groups reused), or a policy of its own; an
+    override that is no constructor argument is refused by name."""
     found = run_distributed(_configurations, 2)[0]
     assert found["units"] == 4 and found["one object"], found
     assert found["others share the root's"], found
     assert found["override"] == (True, "NO_SHARD", 1, True, True), found
-    assert "the overrides for Block name ['_unit_name', 'auto_wrap_policy']" in found["unknown override"], found
+    assert [n.rsplit("._fsdp_wrapped_module.", 1)[1] for n in found["inner policy"]] == [
+        "attn.proj", "attn.qkv", "mlp.fc", "mlp.out"], found
+    assert "the overrides for Block name ['_unit_name', 'bogus']" in found["unknown override"], found
 
 
 def test_the_resolver_reads_every_constructor_argument():

@@ -7,7 +7,8 @@ construction (_construction.py); every unit keeps it as ``UnitState.config``. No
 changes it after wrap time, and the runtime never writes it: the groups are made, the
 strategy, prefetch, dtypes and offload validated, once per wrap call. The units an
 auto-wrap policy makes share their parent's object; a policy that overrides an argument
-for one module (a ``CustomPolicy`` returning a dict) gives that unit a changed copy.
+for one module (a ``CustomPolicy`` returning a dict) gives that unit a copy resolved
+again with the override (the parent's groups reused, unless it overrides those).
 
 Where a unit's storage lives (``UnitState.device``) is not configuration: with
 ``device_id`` it is that device, else it follows the unit's own modules (or the device
@@ -51,7 +52,7 @@ class UnitConfig:
     mixed_precision: MixedPrecision | None  # torch's MixedPrecision, or None
     offload_params: bool  # the shards live in host memory (CPUOffload(offload_params=True))
     use_orig_params: bool
-    device_id: torch.device | None  # the device every unit computes on, or None: each follows its modules
+    device_id: torch.device | None  # the device the unit computes on, or None: it follows its modules
     # --- construction
     param_init_fn: Callable[[nn.Module], None] | None
     sync_module_states: bool

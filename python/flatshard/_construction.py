@@ -1,4 +1,4 @@
-"""Building a unit: process groups, device, meta-device materialization, sync, the flat parameter.
+"""Building a unit from its configuration: device, meta-device materialization, sync, the flat parameter.
 
 Everything here runs at wrap time (``FullyShardedDataParallel.__init__``); nothing
 here is on the per-step path (the root's lazy init is in _runtime.py, beside the
@@ -8,7 +8,7 @@ lifecycle it starts).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, AbstractSet, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -162,7 +162,7 @@ def _materialize(s: UnitState, unit_mods: list[tuple[str, nn.Module]]) -> dict[i
     return meta_originals
 
 
-def _collect_params(s: UnitState, unit_mods: list[tuple[str, nn.Module]], ignored_params: set[nn.Parameter],
+def _collect_params(s: UnitState, unit_mods: list[tuple[str, nn.Module]], ignored_params: AbstractSet[nn.Parameter],
                     ) -> tuple[list[nn.Parameter], list[str], list[str], list[tuple[nn.Module, str, int]]]:
     """The unit's parameters in flat order (a tied one once; with use_orig_params, trainable ones first), their
     full and local names, and every registration of each as (module, attribute, index into the flat order)."""

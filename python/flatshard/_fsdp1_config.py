@@ -3,7 +3,8 @@
 The class (fully_sharded_data_parallel.py) calls ``resolve`` for the unit it is asked to
 wrap; the units its auto-wrap policy makes get the same ``UnitConfig`` (or, with a
 policy's overrides, ``resolve_overrides``'s copy). See [Note: Unit configuration] in
-_config.py. Every message names the argument and the fix.
+_config.py. Every message names the argument (torch's own messages, where tests match them,
+come first and flatshard's fix after).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def resolve(module: nn.Module, arguments: Mapping[str, Any], *, ignored_params: 
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
     # Gradients are averaged over every data-parallel rank: divided before and after the SUM.
     predivide, postdivide = _mixed_precision.gradient_divide_factors(world_size * replicas)
+    mixed_precision = _mixed_precision.check_mixed_precision(mixed_precision)
+    offload_params = _mixed_precision.check_cpu_offload(cpu_offload)
+    device_id = check_device_id(device_id)
     ignored = expand_ignored(ignored_modules, module)
     ignored_params = {p for m in ignored for p in m.parameters(recurse=False)} | extra_ignored | set(ignored_params)
     return UnitConfig(
@@ -79,10 +83,10 @@ def resolve(module: nn.Module, arguments: Mapping[str, Any], *, ignored_params: 
         backward_prefetch=backward_prefetch,
         forward_prefetch=bool(forward_prefetch),
         limit_all_gathers=bool(limit_all_gathers),
-        mixed_precision=_mixed_precision.check_mixed_precision(mixed_precision),
-        offload_params=_mixed_precision.check_cpu_offload(cpu_offload),
+        mixed_precision=mixed_precision,
+        offload_params=offload_params,
         use_orig_params=bool(use_orig_params),
-        device_id=check_device_id(device_id),
+        device_id=device_id,
         param_init_fn=param_init_fn,
         sync_module_states=bool(sync_module_states),
         device_mesh_given=device_mesh is not None or device_mesh_given,
@@ -113,12 +117,17 @@ def resolve_overrides(config: UnitConfig, module: nn.Module, overrides: dict[str
         ignored_states=None,
         device_mesh=None,
     )
-    unknown = sorted(set(overrides) - set(inherited) | set(overrides) & {"ignored_states", "device_mesh"})
-    if unknown:
+    unknown = sorted(set(overrides) - set(inherited))
+    if unknown:  # (a TypeError, as Python's for an unexpected keyword argument)
+        raise TypeError(
+            f"FullyShardedDataParallel: auto_wrap_policy: the overrides for {type(module).__name__} name "
+            f"{unknown}, which are not FullyShardedDataParallel arguments; return a dict of constructor "
+            f"arguments (sharding_strategy=, mixed_precision=, ...) or True/False.")
+    fixed = sorted(set(overrides) & {"ignored_states", "device_mesh"})
+    if fixed:
         raise ValueError(
             f"FullyShardedDataParallel: auto_wrap_policy: the overrides for {type(module).__name__} name "
-            f"{unknown}, which are not FullyShardedDataParallel arguments a unit can override; return a dict of "
-            f"constructor arguments (sharding_strategy=, mixed_precision=, ...) or True/False.")
+            f"{fixed}, which hold for the whole wrap: pass them to the outermost FullyShardedDataParallel.")
     return resolve(module, {**inherited, **overrides}, ignored_params=config.ignored_params,
                    device_mesh_given=config.device_mesh_given)
 
@@ -253,6 +262,6 @@ def expand_ignored(ignored_modules: Iterable[nn.Module] | None, root: nn.Module)
             f"Trying to ignore the top-level module passed into the FSDP constructor itself will result in all "
             f"parameters being ignored and is not well-supported: {type(root).__name__}. Every parameter of it is "
             f"left unsharded on every rank, as plain module state: ignore its submodules instead, or do not wrap it.",
-            stacklevel=3,
+            stacklevel=4,  # (the user's FSDP(...) call: __init__, resolve, here)
         )
     return out

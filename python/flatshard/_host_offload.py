@@ -12,8 +12,9 @@ optimizer's per-parameter tensors move with ``optimizer=``. Units with
 ``CPUOffload(offload_params=True)`` keep their shards on the host already and are left
 alone. While the shards are on the host a forward raises (the model would compute with
 shards copied in at every gather, slowly, and put gradients on the host): move them
-back first (``_runtime.forward`` checks ``RootState.shards_on_host``, which ``move_shard`` keeps). torch FSDP1's ``handle.flat_param_to(device)``, which verl calls unit by
-unit, reaches ``move_shard`` (see [Note: torch's internals]).
+back first (``_runtime._root_pre_forward`` checks ``RootState.shards_on_host``, which
+``move_shard`` keeps). torch FSDP1's ``handle.flat_param_to(device)``, which verl calls unit
+by unit, reaches ``move_shard`` (see [Note: torch's internals]).
 """
 
 from __future__ import annotations

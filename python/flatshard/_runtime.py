@@ -83,8 +83,7 @@ from flatshard.api import BackwardPrefetch
 if TYPE_CHECKING:
     from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
-IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
-PRE_BACKWARD, POST_BACKWARD, SUMMONING = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD, TrainingState.SUMMONING
+FORWARD, SUMMONING = TrainingState.FORWARD, TrainingState.SUMMONING
 
 
 # ----------------------------------------------------------------- lazy init
@@ -270,6 +269,10 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         _root_pre_forward(unit)
     if s.is_root or s.forward_input_dtype is not None:
         args, kwargs = _forward_inputs(s, args, kwargs)
+    if s.training_state is FORWARD:
+        raise UsageError(
+            f"FullyShardedDataParallel: unit '{s.label}' was called inside its own forward; a unit's module may "
+            f"call it only after its forward returns (call the inner module, or wrap it in a unit of its own).")
     grad_enabled = torch.is_grad_enabled()
     use = _pre_forward(s, grad_enabled)
     s.switch("forward")
@@ -428,6 +431,8 @@ def recompute(s: UnitState, args: tuple, kwargs: dict) -> Any:
     """forward() during backward: activation checkpointing reruns this unit (see [Note: Recomputation]).
     The unit is in backward, before its gradients: PRE_BACKWARD."""
     root = s.root
+    if s.training_state is SUMMONING or s.training_state is FORWARD:
+        _refuse_backward(s)
     s.switch("recompute")
     # Checkpointing around the root: its first forward ran without grad (and ended the
     # iteration), so no pre-backward queued the end of this backward.

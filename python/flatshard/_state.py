@@ -29,9 +29,12 @@ and a hook that finds another raises an error naming the unit, the hook and the 
   * -> IDLE                                  the root's end of backward (or abort)
   IDLE -> SUMMONING -> IDLE                  summon_full_params, apply, state dicts
 A recomputation (activation checkpointing reruns a forward during backward) puts the
-unit in PRE_BACKWARD: its gradients come next. A summon may also find a unit whose
-backward raised (PRE_ or POST_BACKWARD until the next forward drops that backward), and
-a framework's reset (``training_state = IDLE``) any state but SUMMONING.
+unit in PRE_BACKWARD: its gradients come next. A summon, or a forward of a unit called by
+itself (not through its root), may also find a unit whose backward raised (PRE_ or
+POST_BACKWARD until the root's next forward drops that backward), and a framework's reset
+(``training_state = IDLE``) any state but SUMMONING. A unit called inside its own forward,
+or a backward through it during its forward, is the caller's misuse: a UsageError before
+the switch.
 """
 
 from __future__ import annotations
@@ -64,20 +67,22 @@ class TrainingState(enum.Enum):
 
 # (Tuples, not sets: a membership test compares identities, where a set would call Enum's Python-level __hash__,
 # five times per unit per step.)
-_IN_BACKWARD = (TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+_IDLE_OR_IN_BACKWARD = (TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 _ANY = tuple(TrainingState)
 
 # hook: (the states the unit may be in when the hook runs, the state it leaves the unit in); see [Note: Unit state].
 TRANSITIONS: dict[str, tuple[tuple[TrainingState, ...], TrainingState]] = {
-    "forward": ((TrainingState.IDLE,), TrainingState.FORWARD),
+    # (a unit called by itself, not through its root, after a backward that raised: the root's next forward
+    # drops that backward)
+    "forward": (_IDLE_OR_IN_BACKWARD, TrainingState.FORWARD),
     "end of forward": ((TrainingState.FORWARD,), TrainingState.IDLE),
-    "recompute": (_IN_BACKWARD, TrainingState.PRE_BACKWARD),
-    "pre-backward": (_IN_BACKWARD, TrainingState.PRE_BACKWARD),
+    "recompute": (_IDLE_OR_IN_BACKWARD, TrainingState.PRE_BACKWARD),
+    "pre-backward": (_IDLE_OR_IN_BACKWARD, TrainingState.PRE_BACKWARD),
     "post-backward": ((TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD), TrainingState.POST_BACKWARD),
-    "frozen post-backward": (_IN_BACKWARD, TrainingState.POST_BACKWARD),
+    "frozen post-backward": (_IDLE_OR_IN_BACKWARD, TrainingState.POST_BACKWARD),
     "end of backward": (_ANY, TrainingState.IDLE),
     "abort of backward": (_ANY, TrainingState.IDLE),
-    "summon": (_IN_BACKWARD, TrainingState.SUMMONING),
+    "summon": (_IDLE_OR_IN_BACKWARD, TrainingState.SUMMONING),
     "end of summon": ((TrainingState.SUMMONING,), TrainingState.IDLE),
     "reset": (tuple(t for t in TrainingState if t is not TrainingState.SUMMONING), TrainingState.IDLE),
 }

@@ -96,8 +96,10 @@ def _wrap_children(cls: type[FullyShardedDataParallel], module: nn.Module, polic
     parents = _construction.parent_slots(module)
     for target, overrides in plan:
         parent, attr = parents[target]
+        inner_policy = overrides.pop("auto_wrap_policy", None)  # (a policy of its own, for its subtree)
         child_config = _fsdp1_config.resolve_overrides(config, target, overrides)
-        setattr(parent, attr, cls(target, _config=child_config, _unit_name=join(unit_name, names[target])))
+        setattr(parent, attr, cls(target, auto_wrap_policy=inner_policy, _config=child_config,
+                                  _unit_name=join(unit_name, names[target])))
 
 
 class FullyShardedDataParallel(TorchAttributes, nn.Module):
