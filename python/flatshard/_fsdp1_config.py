@@ -54,12 +54,6 @@ def resolve(module: nn.Module, arguments: Mapping[str, Any], *, ignored_params: 
             f"FullyShardedDataParallel: backward_prefetch: expected a BackwardPrefetch or None "
             f"but got {backward_prefetch!r}"
         )
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "FullyShardedDataParallel: expected an initialized default process group but "
-            "torch.distributed is not initialized. Call torch.distributed.init_process_group() "
-            "first (torchrun sets the environment it needs), or pass process_group=."
-        )
     shard_group, replicate_group = resolve_groups(process_group, device_mesh, strategy)
     world_size = dist.get_world_size(shard_group)
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
@@ -136,6 +130,12 @@ def resolve_groups(
     process_group: Any, device_mesh: Any, strategy: ShardingStrategy
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """(shard group, replicate group or None) from torch's process_group/device_mesh arguments."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "FullyShardedDataParallel: expected an initialized default process group but "
+            "torch.distributed is not initialized. Call torch.distributed.init_process_group() "
+            "first (torchrun sets the environment it needs), or pass process_group=."
+        )
     hybrid = strategy in HYBRID
     if device_mesh is not None:
         if process_group is not None:

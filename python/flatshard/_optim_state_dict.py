@@ -76,19 +76,7 @@ def optim_state_dict(
         else:
             full = {entry.names[0]: dict(values)} if entry.unit is None else _unflatten_state(entry, values)
         if keep:
-            for name, per_param in full.items():
-                if not per_param:
-                    continue
-                if name in shape_of:  # SHARDED: per-element state cut as the parameters ([Note: Sharded state dicts])
-                    use_dtensor = uses_dtensor(entry.unit, config)
-                    per_param = {k: to_sharded(v, entry.unit, use_dtensor, offload_to_cpu)
-                                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == shape_of[name] else v
-                                 for k, v in per_param.items()}
-                state[name] = {
-                    k: v if is_sharded(v) or not isinstance(v, torch.Tensor)
-                    else (v.detach().clone().cpu() if offload_to_cpu else v.detach().clone())
-                    for k, v in per_param.items()
-                }
+            state.update(_kept_state(full, entry, shape_of, config, offload_to_cpu))
     if not keep:
         return {}
     groups = []
@@ -97,6 +85,27 @@ def optim_state_dict(
         g["params"] = [name for index in g["params"] for name in names_of[index]]
         groups.append(g)
     return {"state": state, "param_groups": groups}
+
+
+def _kept_state(full: dict[str, dict[str, Any]], entry: _OptimEntry, shape_of: dict[str, torch.Size], config: Any,
+                offload_to_cpu: bool) -> dict[str, dict[str, Any]]:
+    """The state a rank returns for one entry's parameters: copies (on the host with ``offload_to_cpu``), and under
+    SHARDED each per-element tensor cut as its parameter is ([Note: Sharded state dicts])."""
+    kept = {}
+    for name, per_param in full.items():
+        if not per_param:
+            continue
+        if name in shape_of:
+            use_dtensor = uses_dtensor(entry.unit, config)
+            per_param = {k: to_sharded(v, entry.unit, use_dtensor, offload_to_cpu)
+                         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == shape_of[name] else v
+                         for k, v in per_param.items()}
+        kept[name] = {
+            k: v if is_sharded(v) or not isinstance(v, torch.Tensor)
+            else (v.detach().clone().cpu() if offload_to_cpu else v.detach().clone())
+            for k, v in per_param.items()
+        }
+    return kept
 
 
 def optim_state_dict_to_load(
@@ -124,6 +133,16 @@ def optim_state_dict_to_load(
     entries, config = _optim_entries(model, optim, "optim_state_dict_to_load")
     if getattr(config, "rank0_only", False) if from_rank0 is None else from_rank0:
         optim_state_dict = broadcast_from_rank0(optim_state_dict, "optim_state_dict_to_load")
+    _check_loadable(optim_state_dict, entries)
+    state = _state_to_load(entries, optim_state_dict["state"])
+    result = {"state": state, "param_groups": _groups_to_load(optim_state_dict["param_groups"], optim, _optim_given)}
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
+
+
+def _check_loadable(optim_state_dict: Any, entries: list[_OptimEntry]) -> None:
+    """The dict ``optim_state_dict`` returns, with state for this model's parameters only."""
     if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict or "param_groups" not in optim_state_dict:
         raise ValueError(
             "FullyShardedDataParallel.optim_state_dict_to_load: expected the dict that "
@@ -140,6 +159,10 @@ def optim_state_dict_to_load(
             f"model (its names: {sorted(known)[:3]}...); pass the dict FSDP.optim_state_dict() returned "
             f"for this model, not optim.state_dict()."
         )
+
+
+def _state_to_load(entries: list[_OptimEntry], full_state: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each optimizer entry's state as this rank keeps it (its shard of a unit's flat state), by entry index."""
     state: dict[int, dict[str, Any]] = {}
     for index, entry in enumerate(entries):
         names = entry.names
@@ -165,14 +188,19 @@ def optim_state_dict_to_load(
         else:
             state[index] = _flatten_state(entry, [current[n] for n in names], device)
         del current
+    return state
+
+
+def _groups_to_load(saved_groups: list[dict[str, Any]], optim: torch.optim.Optimizer,
+                    optim_given: bool) -> list[dict[str, Any]]:
+    """The saved param groups' settings over the optimizer's own parameter indices."""
     groups = []
-    saved_groups = optim_state_dict["param_groups"]
     if len(saved_groups) != len(optim.param_groups):
         raise ValueError(
             f"FullyShardedDataParallel.optim_state_dict_to_load: the state dict has {len(saved_groups)} "
             f"param groups but the optimizer has {len(optim.param_groups)}."
         )
-    if _optim_given:
+    if optim_given:
         _check_same_kind(saved_groups, optim)
     position = 0
     for saved, current in zip(saved_groups, optim.param_groups):
@@ -180,10 +208,7 @@ def optim_state_dict_to_load(
         g["params"] = list(range(position, position + len(current["params"])))
         position += len(current["params"])
         groups.append(g)
-    result = {"state": state, "param_groups": groups}
-    if load_directly:
-        optim.load_state_dict(result)
-    return result
+    return groups
 
 
 # Param-group keys that differ between torch versions of one optimizer (each optimizer's __setstate__ fills them).
@@ -380,20 +405,48 @@ def _unflatten_orig_state(unit: FullyShardedDataParallel, members: list[tuple[in
     layout = handle.layout
     slices = _orig_slices(unit)
     shard_numel = layout.padded_numel if handle.is_replicated else layout.shard_numel
+    out: dict[str, dict[str, Any]] = {entry.names[0]: {} for _, entry in members}
+    for key, (kind, info) in _orig_state_kinds(unit, members, osd, slices).items():
+        flat = torch.zeros(shard_numel, dtype=getattr(torch, info), device=unit._unit_state.device) if kind == "tensor" else None
+        scalar = info if kind == "scalar" else None
+        for index, entry in members:
+            value = osd["state"].get(index, {}).get(key)
+            if value is not None and flat is not None and _per_element(entry, value):
+                _, offset_in_shard, numel = slices.get(entry.orig_index, (0, 0, 0))
+                flat[offset_in_shard : offset_in_shard + numel] = value.detach().reshape(-1).to(unit._unit_state.device)
+        if flat is not None and not handle.is_replicated:
+            gathered = flat.new_empty(layout.padded_numel)
+            with collective_range("optim_state_dict all_gather", unit._unit_state.name):
+                dist.all_gather_into_tensor(gathered, flat, group=unit._unit_state.config.process_group)
+            flat = gathered
+        for index, entry in members:
+            i = entry.orig_index
+            name = entry.names[0]
+            if flat is not None:
+                offset, numel = layout.offsets[i], layout.numels[i]
+                out[name][key] = flat[offset : offset + numel].view(layout.shapes[i]).clone()
+            elif scalar is not None:
+                out[name][key] = scalar.clone() if isinstance(scalar, torch.Tensor) else scalar
+    return {name: values for name, values in out.items() if values}
 
-    def per_element(entry: _OptimEntry, value: Any) -> bool:
-        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.param.shape
 
-    # What each key is (per-element, with its dtype, or a scalar such as 'step', with its value), from
-    # every rank: a rank whose pieces of this unit's trainable parameters are all empty (its shard
-    # holds frozen parameters only, see [Note: Trainable prefix]) has no state of its own.
+def _per_element(entry: _OptimEntry, value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.param.shape
+
+
+def _orig_state_kinds(unit: FullyShardedDataParallel, members: list[tuple[int, _OptimEntry]], osd: dict[str, Any],
+                      slices: dict[int, tuple[int, int, int]]) -> dict[str, tuple[str, Any]]:
+    """What each optimizer-state key of a use_orig_params unit is (per-element, with its dtype, or a scalar such
+    as 'step', with its value), agreed by every rank of the unit's shard group (collective): a rank whose pieces
+    of this unit's trainable parameters are all empty (its shard holds frozen parameters only, see [Note:
+    Trainable prefix]) has no state of its own."""
     kinds: dict[str, tuple[str, Any]] = {}
     for index, entry in members:
         for k, value in osd["state"].get(index, {}).items():
             if k not in kinds:
-                kinds[k] = ("tensor", str(value.dtype).removeprefix("torch.")) if per_element(entry, value) else \
+                kinds[k] = ("tensor", str(value.dtype).removeprefix("torch.")) if _per_element(entry, value) else \
                     ("scalar", value)
-    if not handle.is_replicated:
+    if not unit._unit_state.handle.is_replicated:
         holds_trainable = any(slices.get(e.orig_index, (0, 0, 0))[2] > 0 and e.param.requires_grad
                               for _, e in members)
         everyone: list[Any] = [None] * dist.get_world_size(unit._unit_state.config.process_group)
@@ -413,31 +466,7 @@ def _unflatten_orig_state(unit: FullyShardedDataParallel, members: list[tuple[in
                 f"every rank)."
             )
         kinds = merged
-    keys = list(kinds)
-    out: dict[str, dict[str, Any]] = {entry.names[0]: {} for _, entry in members}
-    for key in keys:
-        kind, info = kinds[key]
-        flat = torch.zeros(shard_numel, dtype=getattr(torch, info), device=unit._unit_state.device) if kind == "tensor" else None
-        scalar = info if kind == "scalar" else None
-        for index, entry in members:
-            value = osd["state"].get(index, {}).get(key)
-            if value is not None and flat is not None and per_element(entry, value):
-                _, offset_in_shard, numel = slices.get(entry.orig_index, (0, 0, 0))
-                flat[offset_in_shard : offset_in_shard + numel] = value.detach().reshape(-1).to(unit._unit_state.device)
-        if flat is not None and not handle.is_replicated:
-            gathered = flat.new_empty(layout.padded_numel)
-            with collective_range("optim_state_dict all_gather", unit._unit_state.name):
-                dist.all_gather_into_tensor(gathered, flat, group=unit._unit_state.config.process_group)
-            flat = gathered
-        for index, entry in members:
-            i = entry.orig_index
-            name = entry.names[0]
-            if flat is not None:
-                offset, numel = layout.offsets[i], layout.numels[i]
-                out[name][key] = flat[offset : offset + numel].view(layout.shapes[i]).clone()
-            elif scalar is not None:
-                out[name][key] = scalar.clone() if isinstance(scalar, torch.Tensor) else scalar
-    return {name: values for name, values in out.items() if values}
+    return kinds
 
 
 def _orig_piece_state(entry: _OptimEntry, saved: dict[str, Any], device: torch.device) -> dict[str, Any]:

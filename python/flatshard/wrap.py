@@ -8,7 +8,7 @@ turned into one plan, the modules to wrap in post-order, by ``_plan_wraps``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import AbstractSet, Any, Callable, Iterable
 
 import torch.distributed.fsdp.wrap as _torch_wrap
 from torch import nn
@@ -96,8 +96,8 @@ size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict
 def _plan_wraps(
     root: nn.Module,
     policy: Any,
-    ignored_modules: set[nn.Module],
-    ignored_params: set[nn.Parameter],
+    ignored_modules: AbstractSet[nn.Module],
+    ignored_params: AbstractSet[nn.Parameter],
     is_unit: Callable[[nn.Module], bool],
     individually: tuple[type[nn.Module], ...] = (),
 ) -> list[tuple[nn.Module, dict[str, Any]]]:
@@ -142,15 +142,20 @@ def _plan_wraps(
             f"auto_wrap_policy: expected a ModuleWrapPolicy, a CustomPolicy or a callable "
             f"(module, recurse, nonwrapped_numel) -> bool but got {policy!r}"
         )
+    return _plan_callable(root, policy, ignored_params, children, alone, bool(individually), no_mp)
 
-    # The callable protocol: policy(module, recurse=True, ...) says whether to
-    # look inside, policy(module, recurse=False, nonwrapped_numel=n) whether to
-    # wrap, n counting the parameters not already wrapped below it.
+
+def _plan_callable(root: nn.Module, policy: Callable, ignored_params: AbstractSet[nn.Parameter],
+                   children: Callable[[nn.Module], list[nn.Module]], alone: Callable[[nn.Module], bool],
+                   any_alone: bool, no_mp: dict[str, Any]) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """The callable protocol: policy(module, recurse=True, ...) says whether to look inside,
+    policy(module, recurse=False, nonwrapped_numel=n) whether to wrap, n counting the parameters not
+    already wrapped below it."""
     plan: list[tuple[nn.Module, dict[str, Any]]] = []
 
     def visit(module: nn.Module, is_root: bool) -> int:
         numel = sum(p.numel() for p in module.parameters() if p not in ignored_params)
-        if not individually and not policy(module=module, recurse=True, nonwrapped_numel=numel):
+        if not any_alone and not policy(module=module, recurse=True, nonwrapped_numel=numel):
             return 0
         wrapped = sum(visit(child, False) for child in children(module))
         if not is_root and (alone(module) or policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped)):
