@@ -78,3 +78,21 @@ def test_the_runtime_imports_no_front_end_and_hides_no_cycle_in_a_function():
             elif in_function and module.split(".")[1:2] and module.split(".")[1] in RUNTIME:
                 problems.append(f"{name}.py:{line} imports {module} inside a function (an import cycle hidden?)")
     assert not problems, "\n".join(problems)
+
+
+def test_no_function_over_sixty_lines_in_the_runtime_or_a_front_end_module():
+    """What one reads in a sitting (issue 30): every function of the runtime layer and of the class's resolver
+    fits in 60 lines; the class's own methods are its public API and its docstrings."""
+    import ast
+    import os
+
+    import flatshard
+
+    package = os.path.dirname(flatshard.__file__)
+    long = []
+    for name in (*RUNTIME, "_fsdp1_config", "wrap"):
+        path = os.path.join(package, f"{name}.py")
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{name}.py:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, "split along its concerns: " + ", ".join(long)
