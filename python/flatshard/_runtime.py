@@ -265,14 +265,14 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         return s.wrapped_module(*args, **kwargs)
     if torch._C._current_graph_task_id() != -1:  # in a backward (common.in_backward, one call less per unit)
         return recompute(s, args, kwargs)
+    if s.training_state is FORWARD:  # (before the root's work: its guard check is a collective)
+        raise UsageError(
+            f"FullyShardedDataParallel: unit '{s.label}' was called inside its own forward; a unit's module may "
+            f"call it only after its forward returns (call the inner module, or wrap it in a unit of its own).")
     if s.is_root:
         _root_pre_forward(unit)
     if s.is_root or s.forward_input_dtype is not None:
         args, kwargs = _forward_inputs(s, args, kwargs)
-    if s.training_state is FORWARD:
-        raise UsageError(
-            f"FullyShardedDataParallel: unit '{s.label}' was called inside its own forward; a unit's module may "
-            f"call it only after its forward returns (call the inner module, or wrap it in a unit of its own).")
     grad_enabled = torch.is_grad_enabled()
     use = _pre_forward(s, grad_enabled)
     s.switch("forward")
