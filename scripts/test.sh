@@ -16,5 +16,6 @@ fi
 
 echo "== Python tests"
 start=$(date +%s)
-"$PY" -m pytest tests -q "$@"
+# The slowest tests in every log: what to make leaner when the command nears its budget (README).
+"$PY" -m pytest tests -q --durations=15 "$@"
 echo "== Python tests took $(( $(date +%s) - start ))s"
