@@ -30,11 +30,22 @@ std::vector<at::Tensor> undefined_for_none(const std::vector<std::optional<at::T
 PYBIND11_MODULE(_C, m) {
   m.doc() = "flatshard runtime: flat parameter layout and storage, collective scheduler";
 
+  py::enum_<flatshard::LayoutKind>(m, "LayoutKind")
+      .value("FLAT", flatshard::LayoutKind::kFlat)
+      .value("DIM0", flatshard::LayoutKind::kDim0);
+
   py::class_<FlatParamLayout>(m, "FlatParamLayout",
                               "Offsets, padding and shard ranges of one unit's flat parameter "
-                              "(see [Note: Flat parameter layout] in csrc/flatshard/layout.h).")
+                              "(see [Note: Flat parameter layout] and [Note: Dim-0 layout] in "
+                              "csrc/flatshard/layout.h).")
       .def(py::init<std::vector<std::vector<std::int64_t>>, std::int64_t, std::int64_t>(),
            py::arg("shapes"), py::arg("shard_factor"), py::arg("alignment") = 1)
+      .def_static("dim0", &FlatParamLayout::dim0, py::arg("shapes"), py::arg("shard_factor"),
+                  "FSDP2's layout: each parameter chunked on dim 0 as torch.chunk cuts it.")
+      .def_property_readonly("kind", &FlatParamLayout::kind)
+      .def("rows_per_shard", &FlatParamLayout::rows_per_shard, py::arg("index"))
+      .def("row_numel", &FlatParamLayout::row_numel, py::arg("index"))
+      .def("rows_of_rank", &FlatParamLayout::rows_of_rank, py::arg("index"), py::arg("rank"))
       .def_property_readonly("num_params", &FlatParamLayout::num_params)
       .def_property_readonly("shapes", &FlatParamLayout::shapes)
       .def_property_readonly("numels", &FlatParamLayout::numels)

@@ -1,5 +1,7 @@
 #include "flatshard/flat_param.h"
 
+#include "flatshard/dim0_rows.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
@@ -52,6 +54,17 @@ at::Tensor FlatParamHandle::flatten(const std::vector<at::Tensor>& tensors, cons
   TORCH_CHECK(static_cast<std::int64_t>(tensors.size()) == layout.num_params(),
               "flatshard.flatten: expected ", layout.num_params(), " tensors but got ",
               tensors.size());
+  if (layout.kind() == LayoutKind::kDim0) {  // rank-major rows: see [Note: Dim-0 layout]
+    at::Tensor flat = at::zeros({layout.padded_numel()}, options);
+    for (std::int64_t i = 0; i < layout.num_params(); ++i) {
+      const at::Tensor& t = tensors[i];
+      if (!t.defined()) continue;
+      TORCH_CHECK(t.numel() == layout.numels()[i], "flatshard.flatten: tensor ", i, " has shape ",
+                  shape_str(t.sizes()), " but the layout expects ", shape_str(layout.shapes()[i]));
+      for (auto& [into, from] : dim0_row_pieces(flat, layout, i, t.contiguous())) into.copy_(from);
+    }
+    return flat;
+  }
   at::Tensor flat = at::empty({layout.padded_numel()}, options);
   std::int64_t cursor = 0;  // first element not yet written
   for (std::int64_t i = 0; i < layout.num_params(); ++i) {
@@ -79,6 +92,8 @@ at::Tensor FlatParamHandle::flatten(const std::vector<at::Tensor>& tensors, cons
 }
 
 std::vector<at::Tensor> FlatParamHandle::views_of(const at::Tensor& flat, const FlatParamLayout& layout) {
+  TORCH_CHECK(layout.kind() == LayoutKind::kFlat, "flatshard.views_of: a parameter of the dim-0 layout is not a "
+              "view of the gathered tensor (see [Note: Dim-0 layout]); copy its rows out instead");
   TORCH_CHECK(flat.dim() == 1 && flat.numel() == layout.padded_numel(),
               "flatshard.views_of: expected a 1-D tensor of ", layout.padded_numel(),
               " elements but got shape ", shape_str(flat.sizes()));
@@ -144,7 +159,23 @@ void FlatParamHandle::make_buffers() {
     unsharded_ = at::empty({layout_.padded_numel()}, compute);
     all_gather_target_ = at::empty({0}, compute);
     all_gather_target_.set_(unsharded_.storage(), 0, {layout_.padded_numel()}, {1});
-    if (is_replicated()) {
+    if (copies_out()) {
+      // The views are of the parameters' own buffer, refilled through a second TensorImpl (see
+      // [Note: Unsharded storage]); the gathered buffer is nobody's view.
+      packed_layout_.emplace(layout_.shapes(), 1);
+      const FlatParamLayout& packed = *packed_layout_;
+      params_ = at::empty({packed.padded_numel()}, compute);
+      params_target_ = at::empty({0}, compute);
+      params_target_.set_(params_.storage(), 0, {packed.padded_numel()}, {1});
+      if (casts_) {
+        const at::Tensor base = at::empty({packed.padded_numel()}, options.device(compute_device_));
+        placeholder_views_ = views_of(base, packed);
+        resize_storage(base.storage().unsafeGetStorageImpl(), 0);
+      } else {
+        placeholder_views_ = views_of(params_, packed);
+      }
+      resize_storage(params_.storage().unsafeGetStorageImpl(), 0);
+    } else if (is_replicated()) {
       placeholder_views_ = views_of(local_shard_.detach(), layout_);  // real values: see set_name
     } else if (casts_) {
       // Between iterations the modules see the parameters' own dtype (see [Note: Placeholders]).
@@ -214,6 +245,8 @@ FlatParamHandle::~FlatParamHandle() {
 }
 
 void FlatParamHandle::set_reduce_prefix(std::int64_t numel) {
+  TORCH_CHECK(numel == -1 || layout_.kind() == LayoutKind::kFlat, "flatshard: unit '", name_,
+              "': a trainable prefix needs the flat layout");
   TORCH_CHECK(numel == -1 || (numel > 0 && numel <= layout_.unpadded_numel()), "flatshard: unit '", name_,
               "': a trainable prefix of ", numel, " elements for ", layout_.unpadded_numel());
   TORCH_CHECK(!unsharded_grad_.defined(), "flatshard: unit '", name_,
@@ -224,6 +257,13 @@ void FlatParamHandle::set_reduce_prefix(std::int64_t numel) {
 void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
   TORCH_CHECK(static_cast<std::int64_t>(grads.size()) == layout_.num_params(), "flatshard: unit '",
               name_, "': expected ", layout_.num_params(), " gradients but got ", grads.size());
+  if (layout_.kind() == LayoutKind::kDim0 && unsharded_grad_.defined()) {  // rank-major: see flatten
+    for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
+      if (!grads[i].defined()) continue;
+      for (auto& [into, from] : dim0_row_pieces(unsharded_grad_, layout_, i, grads[i].contiguous())) into.add_(from);
+    }
+    return;
+  }
   if (reduce_prefix_ >= 0) {  // see [Note: Trainable prefix]
     if (!unsharded_grad_.defined()) {
       unsharded_grad_ = at::zeros({reduce_prefix_}, at::TensorOptions().device(compute_device_).dtype(param_dtype_));
@@ -267,7 +307,37 @@ void FlatParamHandle::set_local_shard(const at::Tensor& param) {
 }
 
 bool FlatParamHandle::has_unsharded_storage() const {
-  return has_own_unsharded() && unsharded_.storage().nbytes() > 0;
+  return has_own_unsharded() &&
+         (unsharded_.storage().nbytes() > 0 || (copies_out() && params_.storage().nbytes() > 0));
+}
+
+std::int64_t FlatParamHandle::params_nbytes() const {
+  return layout_.unpadded_numel() * static_cast<std::int64_t>(params_.element_size());
+}
+
+void FlatParamHandle::copy_out() {
+  if (!copies_out()) return;
+  // On the current (compute) stream: the gathered buffer is freed once the copies are enqueued; the
+  // next all-gather, the only other user of its memory, waits for this stream first (Scheduler::unshard).
+  if (params_.storage().nbytes() == 0) {
+    resize_storage(params_.storage().unsafeGetStorageImpl(), static_cast<std::size_t>(params_nbytes()));
+    MemoryCounter::add(params_nbytes());
+  }
+  for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
+    const std::int64_t numel = layout_.numels()[i];
+    if (numel == 0) continue;
+    const at::Tensor out = params_target_.narrow(0, packed_layout_->offsets()[i], numel);
+    for (auto& [from, into] : dim0_row_pieces(all_gather_target_, layout_, i, out)) into.copy_(from);
+  }
+  if (unsharded_.storage().nbytes() > 0) {
+    resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
+    MemoryCounter::add(-unsharded_nbytes());
+  }
+}
+
+std::vector<at::Tensor> FlatParamHandle::views() const {
+  if (!copies_out()) return views_of(unsharded_, layout_);
+  return views_of(params_, *packed_layout_);
 }
 
 
@@ -276,16 +346,22 @@ std::int64_t FlatParamHandle::unsharded_nbytes() const {
 }
 
 void FlatParamHandle::alloc_unsharded() {
-  if (!has_own_unsharded() || has_unsharded_storage() || layout_.padded_numel() == 0) return;
+  if (!has_own_unsharded() || unsharded_.storage().nbytes() > 0 || layout_.padded_numel() == 0) return;
   resize_storage(unsharded_.storage().unsafeGetStorageImpl(),
                  static_cast<std::size_t>(unsharded_nbytes()));
   MemoryCounter::add(unsharded_nbytes());
 }
 
 void FlatParamHandle::free_unsharded() {
-  if (!has_unsharded_storage()) return;
-  resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
-  MemoryCounter::add(-unsharded_nbytes());
+  if (!has_own_unsharded()) return;
+  if (unsharded_.storage().nbytes() > 0) {
+    resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
+    MemoryCounter::add(-unsharded_nbytes());
+  }
+  if (copies_out() && params_.storage().nbytes() > 0) {
+    resize_storage(params_.storage().unsafeGetStorageImpl(), 0);
+    MemoryCounter::add(-params_nbytes());
+  }
 }
 
 namespace {

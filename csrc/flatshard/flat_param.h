@@ -227,8 +227,19 @@ class FlatParamHandle {
   void add_offloaded_grads();
   void drop_offloaded_grads() { host_grads_.clear(); }
 
-  // Views of the unsharded buffer; the buffer must have storage.
-  std::vector<at::Tensor> views() const { return views_of(unsharded_, layout_); }
+  // Views of the unsharded buffer (dim-0 layout: of the parameters' buffer copy_out()
+  // filled); the buffer must have storage.
+  std::vector<at::Tensor> views() const;
+  // [Note: Copy-out]
+  // With the dim-0 layout and a shard factor above 1 a parameter is not a view of
+  // the gathered buffer (see [Note: Dim-0 layout]): once the all-gather completed
+  // (Scheduler::wait_for_unshard, on the compute stream) its rows are copied into a
+  // buffer of the parameters packed in order, whose views the modules get, and the
+  // gathered buffer is freed. The unsharded state is then that buffer alone; a
+  // gradient is written back into the rank-major order (accumulate_grad) for the
+  // reduce-scatter. A no-op for the flat layout.
+  void copy_out();
+  bool copies_out() const { return layout_.kind() == LayoutKind::kDim0 && !is_replicated(); }
   // Views made once at construction, outside autograd: what the modules hold
   // while the unit is sharded. See [Note: Placeholders].
   const std::vector<at::Tensor>& placeholder_views() const { return placeholder_views_; }
@@ -275,6 +286,11 @@ class FlatParamHandle {
   bool offload_ = false;  // the shard lives on the host and compute does not
   bool casts_ = false;    // the shard's dtype or device differs from the compute ones
   at::Tensor all_gather_input_;
+  // See [Note: Copy-out]: the parameters' buffer, its refill TensorImpl, and their packed layout.
+  at::Tensor params_;
+  at::Tensor params_target_;
+  std::optional<FlatParamLayout> packed_layout_;
+  std::int64_t params_nbytes() const;
   std::vector<at::Tensor> host_grads_;  // reduced shards on their way to the host (offload)
 };
 

@@ -46,6 +46,56 @@ FlatParamLayout::FlatParamLayout(std::vector<std::vector<std::int64_t>> shapes,
   padded_numel_ = round_up(std::max<std::int64_t>(cursor, 0), shard_factor_);
 }
 
+FlatParamLayout FlatParamLayout::dim0(std::vector<std::vector<std::int64_t>> shapes, std::int64_t shard_factor) {
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    if (shapes[i].empty()) {
+      throw std::invalid_argument("FlatParamLayout::dim0: parameter " + std::to_string(i) +
+                                  " has no dim 0 to shard (a 0-dim tensor)");
+    }
+  }
+  FlatParamLayout layout(std::move(shapes), shard_factor);  // validates F and the dims
+  layout.kind_ = LayoutKind::kDim0;
+  std::int64_t cursor = 0;
+  for (std::size_t i = 0; i < layout.shapes_.size(); ++i) {
+    const std::int64_t rows = layout.shapes_[i][0];
+    const std::int64_t row_numel = rows == 0 ? 0 : layout.numels_[i] / rows;
+    const std::int64_t per_shard = (rows + shard_factor - 1) / shard_factor;
+    layout.rows_per_shard_.push_back(per_shard);
+    layout.row_numels_.push_back(row_numel);
+    layout.offsets_[i] = cursor;
+    cursor += per_shard * row_numel;
+  }
+  layout.padded_numel_ = cursor * shard_factor;
+  layout.unpadded_numel_ = 0;
+  for (std::int64_t n : layout.numels_) layout.unpadded_numel_ += n;
+  return layout;
+}
+
+namespace {
+void require_dim0(LayoutKind kind, const char* what) {
+  if (kind != LayoutKind::kDim0) {
+    throw std::logic_error(std::string("FlatParamLayout::") + what + ": only the dim-0 layout has rows");
+  }
+}
+}  // namespace
+
+std::int64_t FlatParamLayout::rows_per_shard(std::int64_t i) const {
+  require_dim0(kind_, "rows_per_shard");
+  return rows_per_shard_.at(static_cast<std::size_t>(i));
+}
+
+std::int64_t FlatParamLayout::row_numel(std::int64_t i) const {
+  require_dim0(kind_, "row_numel");
+  return row_numels_.at(static_cast<std::size_t>(i));
+}
+
+std::int64_t FlatParamLayout::rows_of_rank(std::int64_t i, std::int64_t rank) const {
+  shard_range(rank);  // validates rank
+  const std::int64_t per_shard = rows_per_shard(i);
+  const std::int64_t rows = shapes_[static_cast<std::size_t>(i)][0];
+  return std::clamp<std::int64_t>(rows - rank * per_shard, 0, per_shard);
+}
+
 std::int64_t FlatParamLayout::total_padding_numel() const {
   std::int64_t used = 0;
   for (std::int64_t n : numels_) used += n;
@@ -65,6 +115,16 @@ std::pair<std::int64_t, std::int64_t> FlatParamLayout::shard_range(std::int64_t 
 std::vector<ShardSlice> FlatParamLayout::shard_slices(std::int64_t rank) const {
   const auto [begin, end] = shard_range(rank);
   std::vector<ShardSlice> slices;
+  if (kind_ == LayoutKind::kDim0) {
+    for (std::size_t i = 0; i < numels_.size(); ++i) {
+      const auto index = static_cast<std::int64_t>(i);
+      const std::int64_t numel = rows_of_rank(index, rank) * row_numels_[i];
+      if (numel > 0) {
+        slices.push_back(ShardSlice{index, rank * rows_per_shard_[i] * row_numels_[i], offsets_[i], numel});
+      }
+    }
+    return slices;
+  }
   for (std::size_t i = 0; i < numels_.size(); ++i) {
     const std::int64_t p_begin = offsets_[i];
     const std::int64_t p_end = p_begin + numels_[i];

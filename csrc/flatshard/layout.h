@@ -15,6 +15,19 @@
 // rank r keeps [r * shard_numel, (r + 1) * shard_numel). The right padding is
 // at most F - 1 elements. Zero-numel parameters are allowed: they occupy no
 // elements and intersect no shard.
+//
+// [Note: Dim-0 layout]
+// FSDP2's layout (fully_shard), the second kind (LayoutKind::kDim0): each
+// parameter is sharded on its own, on dim 0, as torch.chunk cuts it: with
+// rows_per_shard c_i = ceil(d0_i / F), rank r keeps rows [r c_i, min((r+1) c_i, d0_i))
+// (none when r c_i >= d0_i), and its shard holds parameter i at offsets[i] as
+// c_i * row_numel_i elements: its rows, then zeros up to c_i rows. The shard's
+// numel S is the sum of those; the gathered flat tensor is F * S elements,
+// rank-major (rank r's shard at [r S, (r+1) S), as the all-gather writes it),
+// so a parameter is spread over F places in it: it is not a view of it, and
+// reading it out or writing it in is a copy (FlatParamHandle does both). With
+// F = 1 the dim-0 layout is the packed flat layout. Parameters need a dim 0:
+// a 0-dim one throws std::invalid_argument, as torch's Shard(0) refuses it.
 
 #include <cstdint>
 #include <vector>
@@ -29,6 +42,11 @@ struct ShardSlice {
   std::int64_t numel;            // elements of the parameter in the shard
 };
 
+enum class LayoutKind : std::uint8_t {
+  kFlat = 0,  // [Note: Flat parameter layout]: flatten, concatenate, chunk (FSDP1)
+  kDim0 = 1,  // [Note: Dim-0 layout]: each parameter chunked on dim 0 (FSDP2)
+};
+
 class FlatParamLayout {
  public:
   // shapes: the original parameters' shapes, in order. shard_factor: F >= 1.
@@ -37,14 +55,28 @@ class FlatParamLayout {
   FlatParamLayout(std::vector<std::vector<std::int64_t>> shapes,
                   std::int64_t shard_factor,
                   std::int64_t alignment = 1);
+  // The dim-0 layout of `shapes` over F ranks (see [Note: Dim-0 layout]). Throws
+  // std::invalid_argument for F < 1, a 0-dim shape or a negative dim.
+  static FlatParamLayout dim0(std::vector<std::vector<std::int64_t>> shapes, std::int64_t shard_factor);
+
+  LayoutKind kind() const { return kind_; }
+  // Dim-0 layout: parameter i's rows per shard (c_i) and elements per row; throws
+  // std::logic_error for the flat layout.
+  std::int64_t rows_per_shard(std::int64_t i) const;
+  std::int64_t row_numel(std::int64_t i) const;
+  // Dim-0 layout: how many of parameter i's rows rank keeps (0 <= it <= c_i).
+  std::int64_t rows_of_rank(std::int64_t i, std::int64_t rank) const;
 
   std::int64_t num_params() const { return static_cast<std::int64_t>(shapes_.size()); }
   const std::vector<std::vector<std::int64_t>>& shapes() const { return shapes_; }
   const std::vector<std::int64_t>& numels() const { return numels_; }
+  // Flat layout: where each parameter starts in the flat parameter. Dim-0
+  // layout: where its rows start in every rank's shard.
   const std::vector<std::int64_t>& offsets() const { return offsets_; }
   std::int64_t shard_factor() const { return shard_factor_; }
   std::int64_t alignment() const { return alignment_; }
-  // Elements covered by parameters and alignment gaps, before the right padding.
+  // Elements covered by parameters and alignment gaps, before the right padding
+  // (dim-0 layout: the parameters' elements).
   std::int64_t unpadded_numel() const { return unpadded_numel_; }
   // Multiple of shard_factor(); padded_numel() - unpadded_numel() < F.
   std::int64_t padded_numel() const { return padded_numel_; }
@@ -66,6 +98,9 @@ class FlatParamLayout {
   std::int64_t alignment_;
   std::int64_t unpadded_numel_ = 0;
   std::int64_t padded_numel_ = 0;
+  LayoutKind kind_ = LayoutKind::kFlat;
+  std::vector<std::int64_t> rows_per_shard_;  // dim-0 layout only
+  std::vector<std::int64_t> row_numels_;      // dim-0 layout only
 };
 
 }  // namespace flatshard

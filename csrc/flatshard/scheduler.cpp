@@ -194,6 +194,7 @@ void Scheduler::wait_for_unshard(FlatParamHandle& unit) {
   all_gathers_.erase(it);
   unit.drop_all_gather_input();  // the all-gather stream is done with it (stream order)
   stream_wait(compute, all_gather_stream_);
+  unit.copy_out();  // dim-0 layout: see [Note: Copy-out] in flat_param.h
   unit.set_state(ShardedState::kUnsharded);
 }
 

@@ -113,3 +113,78 @@ TEST(FlatParamLayout, EmptyAndZeroNumelParameters) {
     for (const auto& s : layout.shard_slices(r)) EXPECT_EQ(s.param_index, 1);
   }
 }
+
+// [Note: Dim-0 layout] on a small case: a 5x2 and a 3 over F = 4. c = 2 rows of 2 and 1 row of 1:
+// S = 4 + 1 = 5; rank 2 keeps row 4 of the first (then one zero row) and none of the second.
+TEST(FlatParamLayout, Dim0SmallExample) {
+  const FlatParamLayout layout = FlatParamLayout::dim0({{5, 2}, {3}}, 4);
+  EXPECT_EQ(layout.kind(), flatshard::LayoutKind::kDim0);
+  EXPECT_EQ(layout.offsets(), (std::vector<std::int64_t>{0, 4}));
+  EXPECT_EQ(layout.shard_numel(), 5);
+  EXPECT_EQ(layout.padded_numel(), 20);
+  EXPECT_EQ(layout.unpadded_numel(), 13);
+  EXPECT_EQ(layout.rows_per_shard(0), 2);
+  EXPECT_EQ(layout.row_numel(0), 2);
+  EXPECT_EQ(layout.rows_of_rank(0, 2), 1);
+  EXPECT_EQ(layout.rows_of_rank(0, 3), 0);
+  EXPECT_EQ(layout.rows_of_rank(1, 2), 1);
+  EXPECT_EQ(layout.rows_of_rank(1, 3), 0);
+  const auto slices = layout.shard_slices(2);
+  ASSERT_EQ(slices.size(), 2u);
+  EXPECT_EQ(slices[0].offset_in_param, 8);
+  EXPECT_EQ(slices[0].offset_in_shard, 0);
+  EXPECT_EQ(slices[0].numel, 2);
+  EXPECT_EQ(slices[1].offset_in_param, 2);
+  EXPECT_EQ(slices[1].offset_in_shard, 4);
+  EXPECT_EQ(slices[1].numel, 1);
+  EXPECT_TRUE(layout.shard_slices(3).empty());
+  EXPECT_THROW(FlatParamLayout::dim0({{2}, {}}, 2), std::invalid_argument);  // 0-dim: no dim 0
+  EXPECT_THROW(FlatParamLayout::dim0({{2}}, 0), std::invalid_argument);
+  EXPECT_THROW(FlatParamLayout({{2}}, 2).rows_per_shard(0), std::logic_error);
+}
+
+// Property: with F = 1 the dim-0 layout is the packed flat one; for any F, rank r holds exactly the rows
+// torch.chunk(param, F)[r] holds (chunks of ceil(d0 / F) rows, then empty ones), each parameter's rows of
+// all ranks cover it once, and a parameter's slot in the shard (c rows) holds its slice.
+TEST(FlatParamLayout, Dim0PropertyRanksHoldTorchChunkRows) {
+  std::mt19937_64 rng(99);
+  std::uniform_int_distribution<std::int64_t> factor(1, 64);
+  for (int trial = 0; trial < 300; ++trial) {
+    auto shapes = random_shapes(rng);
+    for (auto& shape : shapes) {
+      if (shape.empty()) shape.push_back(3);
+    }
+    const std::int64_t F = trial < 8 ? trial + 1 : factor(rng);
+    const FlatParamLayout layout = FlatParamLayout::dim0(shapes, F);
+    ASSERT_EQ(layout.padded_numel(), F * layout.shard_numel());
+    if (F == 1) {
+      const FlatParamLayout flat(shapes, 1);
+      ASSERT_EQ(layout.offsets(), flat.offsets());
+      ASSERT_EQ(layout.padded_numel(), flat.padded_numel());
+    }
+    for (std::int64_t i = 0; i < layout.num_params(); ++i) {
+      const std::int64_t d0 = shapes[i][0];
+      const std::int64_t chunk = (d0 + F - 1) / F;  // torch.chunk's size
+      ASSERT_EQ(layout.rows_per_shard(i), chunk);
+      std::int64_t covered = 0;
+      for (std::int64_t r = 0; r < F; ++r) {
+        const std::int64_t begin = std::min(r * chunk, d0), end = std::min((r + 1) * chunk, d0);
+        ASSERT_EQ(layout.rows_of_rank(i, r), end - begin);
+        covered += end - begin;
+      }
+      ASSERT_EQ(covered, d0);
+      if (i + 1 < layout.num_params()) {
+        ASSERT_EQ(layout.offsets()[i + 1] - layout.offsets()[i], chunk * layout.row_numel(i));
+      }
+    }
+    for (std::int64_t r = 0; r < F; ++r) {
+      for (const auto& s : layout.shard_slices(r)) {
+        const std::int64_t i = s.param_index;
+        ASSERT_EQ(s.offset_in_shard, layout.offsets()[i]);
+        ASSERT_EQ(s.offset_in_param, r * layout.rows_per_shard(i) * layout.row_numel(i));
+        ASSERT_EQ(s.numel, layout.rows_of_rank(i, r) * layout.row_numel(i));
+        ASSERT_LE(s.offset_in_shard + s.numel, layout.shard_numel());
+      }
+    }
+  }
+}

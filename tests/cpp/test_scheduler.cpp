@@ -212,6 +212,56 @@ TEST(Scheduler, ReplicatedUnitNeedsNoAllGatherAndAllReducesGradients) {
   });
 }
 
+// The dim-0 layout over 3 ranks with rows that do not divide (see [Note: Dim-0 layout], [Note: Copy-out]):
+// each rank's shard holds its torch.chunk rows of each parameter (then zero rows), the unsharded parameters
+// are the originals (and alias no gathered buffer, which is gone after the copy-out), and the gradient
+// shard is each rank's chunk rows of the averaged gradient.
+TEST(Scheduler, Dim0LayoutGathersCopiesOutAndReduceScattersRows) {
+  run_ranks(3, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    const std::vector<at::Tensor> originals = {at::arange(10, at::kFloat).view({5, 2}), at::arange(10, 14, at::kFloat),
+                                               at::arange(14, 15, at::kFloat)};
+    const FlatParamLayout layout = FlatParamLayout::dim0({{5, 2}, {4}, {1}}, 3);
+    FlatParamOptions options;
+    options.predivide = 3.0;
+    FlatParamHandle unit("unit", layout, rank, originals, options);
+    // The shard: per parameter, its chunk rows padded to c rows (c = 2, 2, 1).
+    std::vector<at::Tensor> expected_shard;
+    for (std::size_t i = 0; i < originals.size(); ++i) {
+      const auto chunks = originals[i].chunk(3);
+      const std::int64_t c = layout.rows_per_shard(static_cast<std::int64_t>(i));
+      at::Tensor slot = at::zeros({c * layout.row_numel(static_cast<std::int64_t>(i))});
+      if (rank < static_cast<int>(chunks.size())) slot.narrow(0, 0, chunks[rank].numel()).copy_(chunks[rank].reshape(-1));
+      expected_shard.push_back(slot);
+    }
+    EXPECT_TRUE(at::equal(unit.local_shard(), at::cat(expected_shard)));
+    Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
+    scheduler.wait_for_unshard(unit);
+    auto views = unit.views();
+    for (std::size_t i = 0; i < originals.size(); ++i) EXPECT_TRUE(at::equal(views[i], originals[i]));
+    EXPECT_EQ(unit.unsharded().storage().nbytes(), 0u);  // the gathered buffer went with the copy-out
+    EXPECT_TRUE(unit.has_unsharded_storage());
+    scheduler.reshard(unit);
+    EXPECT_FALSE(unit.has_unsharded_storage());
+    // Gradients: rank r sends (r + 1) * originals, twice for the first parameter (two uses).
+    const float r = static_cast<float>(rank + 1);
+    unit.accumulate_grad({originals[0] * r, at::Tensor(), originals[2] * r});
+    unit.accumulate_grad({originals[0] * r, originals[1] * r, at::Tensor()});
+    scheduler.reduce_grad(unit);
+    scheduler.finish_grad_sync();
+    // Averaged over ranks: (1 + 2 + 3) / 3 = 2 times each use's originals.
+    const std::vector<at::Tensor> averaged = {originals[0] * 4, originals[1] * 2, originals[2] * 2};
+    std::vector<at::Tensor> expected_grad;
+    for (std::size_t i = 0; i < originals.size(); ++i) {
+      const auto chunks = averaged[i].chunk(3);
+      const std::int64_t c = layout.rows_per_shard(static_cast<std::int64_t>(i));
+      at::Tensor slot = at::zeros({c * layout.row_numel(static_cast<std::int64_t>(i))});
+      if (rank < static_cast<int>(chunks.size())) slot.narrow(0, 0, chunks[rank].numel()).copy_(chunks[rank].reshape(-1));
+      expected_grad.push_back(slot);
+    }
+    EXPECT_TRUE(at::allclose(unit.local_shard().grad(), at::cat(expected_grad)));
+  });
+}
+
 TEST(FlatParamHandle, RejectsMismatchedShapesAndNamesTheUnit) {
   FlatParamLayout layout({{3, 2}}, 2);
   try {
