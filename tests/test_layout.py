@@ -98,7 +98,7 @@ def test_dim0_layout_refuses_a_scalar_and_has_no_views():
     with pytest.raises(ValueError, match="parameter 1 has no dim 0 to shard"):
         _C.FlatParamLayout.dim0([[2], []], 2)
     layout = _C.FlatParamLayout.dim0([[3, 2]], 2)
-    with pytest.raises(RuntimeError, match="not a view of the gathered tensor"):
+    with pytest.raises(RuntimeError, match="over several ranks is not a view of the gathered tensor"):
         _C.views_of(torch.zeros(layout.padded_numel), layout)
     with pytest.raises(RuntimeError, match="only the dim-0 layout has rows"):
         _C.FlatParamLayout([[2]], 2).rows_per_shard(0)

@@ -92,8 +92,9 @@ at::Tensor FlatParamHandle::flatten(const std::vector<at::Tensor>& tensors, cons
 }
 
 std::vector<at::Tensor> FlatParamHandle::views_of(const at::Tensor& flat, const FlatParamLayout& layout) {
-  TORCH_CHECK(layout.kind() == LayoutKind::kFlat, "flatshard.views_of: a parameter of the dim-0 layout is not a "
-              "view of the gathered tensor (see [Note: Dim-0 layout]); copy its rows out instead");
+  TORCH_CHECK(layout.kind() == LayoutKind::kFlat || layout.shard_factor() == 1, "flatshard.views_of: a parameter "
+              "of the dim-0 layout over several ranks is not a view of the gathered tensor (see [Note: Dim-0 "
+              "layout]); copy its rows out instead");
   TORCH_CHECK(flat.dim() == 1 && flat.numel() == layout.padded_numel(),
               "flatshard.views_of: expected a 1-D tensor of ", layout.padded_numel(),
               " elements but got shape ", shape_str(flat.sizes()));

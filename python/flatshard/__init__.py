@@ -3,6 +3,10 @@
 A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel``::
 
     from flatshard import FullyShardedDataParallel as FSDP
+
+and for torch's FSDP2 (``torch.distributed.fsdp.fully_shard``)::
+
+    from flatshard import fully_shard
 """
 
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
@@ -12,6 +16,7 @@ from flatshard.api import *  # noqa: F401,F403  (torch's enums and configs, see 
 from flatshard._rank_guard import RankDivergenceError
 from flatshard._stall_watch import ProcessGroupGivenUpError
 from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
+from flatshard._fully_shard import FSDPModule, fully_shard
 from flatshard._full_params import summon_full_params as _summon_full_params
 from flatshard._host_offload import move_shards_to_device, move_shards_to_host
 from flatshard._torch_facade import opt_in as _as_torch
@@ -62,7 +67,8 @@ if _as_torch.environment_asks():  # (when flatshard was what imported torch, the
 
 __version__ = "0.1.0"
 
-__all__ = [*api.__all__, "FSDP", "FullyShardedDataParallel", "ProcessGroupGivenUpError", "RankDivergenceError",
+__all__ = [*api.__all__, "FSDP", "FSDPModule", "FullyShardedDataParallel", "ProcessGroupGivenUpError",
+           "RankDivergenceError", "fully_shard",
            "install_as_torch_fsdp",
            "is_active", "move_shards_to_device", "move_shards_to_host", "plan", "summon_full_params",
            "uninstall_as_torch_fsdp", "wrap"]

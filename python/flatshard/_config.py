@@ -18,7 +18,7 @@ Where a unit's storage lives (``UnitState.device``) is not configuration: with
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -59,3 +59,6 @@ class UnitConfig:
     device_mesh_given: bool  # built from a device_mesh: SHARDED state dicts hold DTensors (else ShardedTensors)
     ignored_modules: frozenset[nn.Module]  # the expanded set
     ignored_params: frozenset[nn.Parameter]
+    # --- fully_shard's (the class leaves the defaults)
+    dim0_layout: bool = False  # FSDP2's layout and DTensor parameters (see [Note: DTensor parameters])
+    mesh: Any = None  # the DeviceMesh the DTensor parameters are placed on

@@ -129,7 +129,8 @@ def _register(unit: FullyShardedDataParallel, s: UnitState, params: list[nn.Para
         unit.__dict__[FLAT_PARAM] = s.flat_param
         s.frozen_indices = ([i for i, p in enumerate(params) if not p.requires_grad] if s.flat_param.requires_grad
                             else [])
-        if s.frozen_indices and not s.handle.is_replicated:  # reduce the trainable prefix only
+        # Reduce the trainable prefix only (the dim-0 layout interleaves ranks: it reduces the whole gradient).
+        if s.frozen_indices and not s.handle.is_replicated and not s.config.dim0_layout:
             trainable = len(params) - len(s.frozen_indices)
             s.handle.set_reduce_prefix(layout.offsets[trainable - 1] + layout.numels[trainable - 1])
         _orig_params.init(s, params)
@@ -212,7 +213,9 @@ def _place_and_sync(s: UnitState, unit_mods: list[tuple[str, nn.Module]], params
 def _build_handle(s: UnitState, params: list[nn.Parameter], local_names: list[str]) -> _C.FlatParamLayout:
     """The C++ handle (flattened and sharded) and the local shard as an nn.Parameter with torch's marks; the
     layout."""
-    layout = _C.FlatParamLayout([list(p.shape) for p in params], s.config.shard_factor)
+    shapes = [list(p.shape) for p in params]
+    layout = (_C.FlatParamLayout.dim0(shapes, s.config.shard_factor) if s.config.dim0_layout
+              else _C.FlatParamLayout(shapes, s.config.shard_factor))
     dtypes = _mixed_precision.flat_param_dtypes(
         s.config.mixed_precision, params[0].dtype, s.config.shard_factor == 1, s.config.offload_params, s.name,
     )

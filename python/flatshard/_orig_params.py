@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from flatshard import _C
+from flatshard import _C, _dtensor_params
 
 if TYPE_CHECKING:
     from flatshard._state import UnitState
@@ -57,12 +57,18 @@ def sharded_views(s: UnitState) -> list[torch.Tensor]:
 
 def init(s: UnitState, params: list[nn.Parameter]) -> None:
     """At wrap time: the original parameters become views of the local shard."""
+    if s.config.dim0_layout:  # fully_shard: see [Note: DTensor parameters] in _dtensor_params.py
+        _dtensor_params.init(s, params)
+        return
     s.orig_params = params
     s.orig_grad_seen = [False] * len(params)
     use_sharded_views(s)
 
 
 def use_sharded_views(s: UnitState) -> None:
+    if s.config.dim0_layout:
+        _dtensor_params.use_sharded_views(s)
+        return
     with torch.no_grad():
         for p, view in zip(s.orig_params, sharded_views(s)):
             p.data = view
@@ -80,6 +86,9 @@ def _grad_slots(s: UnitState) -> list[tuple[int, int, int]]:
 
 def use_grad_views(s: UnitState) -> None:
     """After backward: each parameter's ``.grad`` is its view of the gradient shard."""
+    if s.config.dim0_layout:
+        _dtensor_params.use_grad_views(s)
+        return
     flat_grad = s.flat_param.grad
     params = s.orig_params
     for p in params:
@@ -118,6 +127,9 @@ def note_grads(s: UnitState, grads: tuple[torch.Tensor | None, ...]) -> None:
 @torch.no_grad()
 def writeback(s: UnitState) -> None:
     """What the user changed between iterations, into the flat shard and its gradient (see the note)."""
+    if s.config.dim0_layout:
+        _dtensor_params.writeback(s)
+        return
     flat = s.flat_param
     views = sharded_views(s)
     for p, view in zip(s.orig_params, views):

@@ -122,7 +122,9 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
         if s.handle is not None:
             s.handle.name = name
         s.forward_input_dtype = _mixed_precision.forward_input_dtype(s.config.mixed_precision, s.is_root)
-        _mixed_precision.cast_buffers(s, list(unit_modules(s.wrapped_module, s.config.ignored_modules)))
+        # (fully_shard's unit is its module itself: not an inner unit of its own)
+        owned = unit_modules(s.wrapped_module, s.config.ignored_modules, lambda m, u=unit: is_unit(m) and m is not u)
+        _mixed_precision.cast_buffers(s, list(owned))
     _exit.register_for_exit(root_state)  # see [Note: Exit] in _exit.py
     guard_mode = _rank_guard.mode()
     if guard_mode != "off":  # see [Note: Rank-divergence guard]
@@ -252,8 +254,36 @@ def reshard(state: UnitState) -> None:
 # ------------------------------------------------------------------- forward
 
 
+class ForwardCall:
+    """What a unit's pre-forward hands its post-forward: the kind of call ("forward", "recompute" or
+    "summoned": inside summon_full_params, run as it is), its use, whether grad was enabled, its inputs."""
+
+    __slots__ = ("kind", "use", "grad_enabled", "inputs")
+
+    def __init__(self, kind: str, use: Use | None = None, grad_enabled: bool = False, inputs: Any = None) -> None:
+        self.kind = kind
+        self.use = use
+        self.grad_enabled = grad_enabled
+        self.inputs = inputs
+
+
+_SUMMONED = ForwardCall("summoned")
+
+
 def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
-    """One call of a unit (see [Note: Unit lifecycle])."""
+    """One call of a unit that wraps its module (the class): see [Note: Unit lifecycle]."""
+    args, kwargs, call = begin_forward(unit, args, kwargs)
+    try:
+        output = unit._unit_state.wrapped_module(*args, **kwargs)
+    except BaseException:
+        end_forward(unit, call, None, raised=True)
+        raise
+    return end_forward(unit, call, output)
+
+
+def begin_forward(unit: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, ForwardCall]:
+    """A unit's pre-forward, for either front-end (the class's forward; fully_shard's forward pre-hook): the
+    inputs the module is to run on, and what ``end_forward`` needs. See [Note: Unit lifecycle]."""
     s = unit._unit_state
     if s.is_root is None:
         lazy_init(unit)
@@ -262,9 +292,9 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
         # holds its full parameters, in full precision; run it as it is.
         if s.is_root and s.device.type != "cpu":
             args, kwargs = to_device((args, kwargs), s.device)
-        return s.wrapped_module(*args, **kwargs)
+        return args, kwargs, _SUMMONED
     if torch._C._current_graph_task_id() != -1:  # in a backward (common.in_backward, one call less per unit)
-        return recompute(s, args, kwargs)
+        return _begin_recompute(s, args, kwargs)
     if s.training_state is FORWARD:  # (before the root's work: its guard check is a collective)
         raise UsageError(
             f"FullyShardedDataParallel: unit '{s.label}' was called inside its own forward; a unit's module may "
@@ -276,16 +306,24 @@ def forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> Any:
     grad_enabled = torch.is_grad_enabled()
     use = _pre_forward(s, grad_enabled)
     s.switch("forward")
-    root = s.root
     if s.is_root:
-        root.in_forward_call = True  # (see summon_full_params)
-    try:
-        output = s.wrapped_module(*args, **kwargs)
-    finally:
+        s.root.in_forward_call = True  # (see summon_full_params)
+    return args, kwargs, ForwardCall("forward", use, grad_enabled, (args, kwargs))
+
+
+def end_forward(unit: Any, call: ForwardCall, output: Any, raised: bool = False) -> Any:
+    """A unit's post-forward, for either front-end: the output, its backward hooked; with ``raised`` (the
+    module raised: the caller re-raises) only the unit's state is put back."""
+    kind = call.kind
+    if kind == "forward":
+        s = unit._unit_state
         if s.is_root:
-            root.in_forward_call = False
+            s.root.in_forward_call = False
         s.switch("end of forward")
-    return _post_forward(s, use, grad_enabled, (args, kwargs), output)
+        return output if raised else _post_forward(s, call.use, call.grad_enabled, call.inputs, output)
+    if kind == "recompute":
+        return _end_recompute(unit._unit_state, output, raised)
+    return output
 
 
 def _root_pre_forward(unit: FullyShardedDataParallel) -> None:
@@ -427,7 +465,7 @@ def _guard_forward(root: RootState) -> None:
         root.guard.counted_forward()
 
 
-def recompute(s: UnitState, args: tuple, kwargs: dict) -> Any:
+def _begin_recompute(s: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict, ForwardCall]:
     """forward() during backward: activation checkpointing reruns this unit (see [Note: Recomputation]).
     The unit is in backward, before its gradients: PRE_BACKWARD."""
     root = s.root
@@ -444,12 +482,15 @@ def recompute(s: UnitState, args: tuple, kwargs: dict) -> Any:
     if s.is_root:  # the whole model reruns at once
         root.recompute_order = []
         root.recomputing = True
-        try:
-            return s.wrapped_module(*args, **kwargs)
-        finally:
-            root.recomputing = False
-    output = s.wrapped_module(*args, **kwargs)
-    if root.recomputing and _frees_after_forward(s):
+    return args, kwargs, ForwardCall("recompute")
+
+
+def _end_recompute(s: UnitState, output: Any, raised: bool) -> Any:
+    root = s.root
+    if s.is_root:
+        root.recomputing = False
+        return output
+    if not raised and root.recomputing and _frees_after_forward(s):
         # Rerunning the whole model must not hold every unit unsharded at once: reshard as
         # the first forward did. Before any of this unit's backward runs, its pre-backward
         # gathers it again, through the hook of its first forward (non-reentrant

@@ -1,0 +1,101 @@
+"""fully_shard's parameters: DTensors sharded on dim 0, whose local tensors are views of the unit's shard.
+
+[Note: DTensor parameters]
+As torch's FSDP2, and as the class's use_orig_params does with plain views (see [Note: Original parameters]
+in _orig_params.py, whose functions hand over to these for a unit with ``config.dim0_layout``):
+- Each managed parameter is replaced, on every module that registers it, by an ``nn.Parameter`` holding a
+  ``DTensor`` over the unit's mesh with ``Shard(0)``, whose local tensor is this rank's ``torch.chunk`` rows of
+  it: a view of the unit's local shard (see [Note: Dim-0 layout] in csrc/flatshard/layout.h), so that an
+  optimizer step on it is a step on the shard and the next all-gather sends it. Its values equal torch FSDP2's
+  local tensor on every rank (tests/test_layout.py).
+- In forward and backward the module attribute is the unsharded parameter (an autograd view of the buffer
+  the all-gather was copied out into), which shadows the registered DTensor; resharding removes the shadow.
+- After backward each parameter's ``.grad`` is a DTensor of the same placement over the matching rows of the
+  gradient shard; a parameter that took no part in this iteration's backward keeps ``.grad = None``.
+- Before an iteration what the user did in between is written back (``writeback``): gradients set to None
+  (``zero_grad``) clear the gradient shard, replaced ones are copied into it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from flatshard._state import UnitState
+
+
+def local_views(s: UnitState, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter's rows on this rank, shaped ``(rows, *shape[1:])``, as views of ``flat`` (the local shard or
+    its gradient)."""
+    layout = s.handle.layout
+    rank = s.handle.rank
+    views = []
+    for i, shape in enumerate(layout.shapes):
+        start = layout.offsets[i]
+        rows = layout.rows_of_rank(i, rank)
+        views.append(flat[start : start + rows * layout.row_numel(i)].view([rows, *shape[1:]]))
+    return views
+
+
+def _as_dtensor(s: UnitState, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Shard
+
+    with torch.no_grad():
+        return DTensor.from_local(local, s.config.mesh, (Shard(0),), run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+
+
+def init(s: UnitState, params: list[nn.Parameter]) -> None:
+    """At ``fully_shard``: the modules' parameters become DTensor parameters over the shard."""
+    layout = s.handle.layout
+    sharded = []
+    for p, local in zip(params, local_views(s, s.flat_param.detach())):
+        sharded.append(nn.Parameter(_as_dtensor(s, local, list(p.shape)), requires_grad=p.requires_grad))
+    for m, attr, index in s.param_slots:
+        m._parameters[attr] = sharded[index]
+    s.orig_params = sharded
+    s.orig_grad_seen = [False] * len(sharded)
+    assert layout.kind.name == "DIM0"
+
+
+def use_sharded_views(s: UnitState) -> None:
+    """The DTensor parameters hold views of the shard from ``init`` on: nothing to renew."""
+
+
+def use_grad_views(s: UnitState) -> None:
+    """After backward: each parameter's ``.grad`` is a DTensor over its rows of the gradient shard."""
+    flat_grad = s.flat_param.grad
+    params = s.orig_params
+    for p in params:
+        p.grad = None
+    if flat_grad is None:
+        return
+    for i, (p, local) in enumerate(zip(params, local_views(s, flat_grad))):
+        if p.requires_grad and s.orig_grad_seen[i]:
+            p.grad = _as_dtensor(s, local, list(p.shape))
+
+
+@torch.no_grad()
+def writeback(s: UnitState) -> None:
+    """What the user changed between iterations, into the gradient shard (see the note)."""
+    flat = s.flat_param
+    grads = [p.grad for p in s.orig_params]
+    if all(g is None for g in grads):
+        if flat.grad is not None:  # zero_grad(set_to_none=True)
+            flat.grad = None
+            s.orig_grad_seen = [False] * len(grads)
+        return
+    flat_grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
+    for i, (g, target) in enumerate(zip(grads, local_views(s, flat_grad))):
+        if g is None:
+            target.zero_()
+            s.orig_grad_seen[i] = False
+        else:
+            local = g.to_local()
+            if local.data_ptr() != target.data_ptr() or local.shape != target.shape:
+                target.copy_(local)
+    if flat.grad is not flat_grad:
+        flat.grad = flat_grad

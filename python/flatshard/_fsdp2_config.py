@@ -1,0 +1,100 @@
+"""torch FSDP2's ``fully_shard`` arguments, resolved once into a unit's configuration.
+
+``flatshard.fully_shard`` calls ``resolve`` for each module it shards; see [Note: Unit configuration] in
+_config.py. What this first version of the front-end does not support raises NotImplementedError naming the
+argument (see [Note: fully_shard's coverage] in fully_shard.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard._config import UnitConfig
+from flatshard.api import BackwardPrefetch, ShardingStrategy
+
+
+def default_mesh() -> Any:
+    """torch's default: a 1-D mesh over every rank, on the CUDA device where there is one, else the CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard: torch.distributed is not initialized; call "
+                           "torch.distributed.init_process_group() first (torchrun sets the environment for it).")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _mesh_device(mesh: Any) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Callable | None,
+                     mp_policy: Any, offload_policy: Any) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.tensor import Shard
+
+    name = type(module).__name__
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"fully_shard({name}): flatshard supports a 1-D mesh so far, not HSDP's 2-D mesh "
+                                  f"{tuple(mesh.shape)}; use torch's fully_shard for HSDP meanwhile.")
+    if not isinstance(reshard_after_forward, (bool, type(None))):
+        raise NotImplementedError(f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} (resharding "
+                                  f"to a smaller group) is not supported by flatshard yet; pass True or False.")
+    if mp_policy != MixedPrecisionPolicy():
+        raise NotImplementedError(f"fully_shard({name}): mp_policy={mp_policy} is not supported by flatshard's "
+                                  f"fully_shard yet (only the default, full precision).")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(f"fully_shard({name}): offload_policy={offload_policy} is not supported by "
+                                  f"flatshard's fully_shard yet.")
+    if shard_placement_fn is not None:
+        for pname, p in module.named_parameters():
+            placement = shard_placement_fn(p)
+            if placement is not None and placement != Shard(0):
+                shown = f"Shard({placement.dim})" if isinstance(placement, Shard) else repr(placement)
+                raise NotImplementedError(f"fully_shard({name}): shard_placement_fn gives {shown} for parameter "
+                                          f"'{pname}'; flatshard shards on dim 0 only so far.")
+
+
+def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | None,
+            shard_placement_fn: Callable | None, mp_policy: Any, offload_policy: Any,
+            ignored_params: set[nn.Parameter] | None) -> UnitConfig:
+    """The configuration of the unit ``fully_shard`` makes of ``module``."""
+    mesh = mesh if mesh is not None else default_mesh()
+    _check_supported(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    group = mesh.get_group(0)
+    world_size = dist.get_world_size(group)
+    # None: True, and the root keeps its parameters after forward (the runtime never reshards the root there).
+    reshard = reshard_after_forward is not False
+    return UnitConfig(
+        process_group=group,
+        replicate_group=None,
+        rank=dist.get_rank(group),
+        world_size=world_size,
+        sharding_strategy=ShardingStrategy.FULL_SHARD if reshard else ShardingStrategy.SHARD_GRAD_OP,
+        shard_factor=world_size,
+        reshard_after_forward=reshard,
+        # FSDP2 averages (ReduceOp.AVG: the SUM divided by the group's size).
+        predivide=1.0,
+        postdivide=float(world_size),
+        # FSDP2's implicit prefetch: in backward, the next unit's all-gather before this one's reduce-scatter.
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch=False,
+        limit_all_gathers=True,
+        mixed_precision=None,
+        offload_params=False,
+        use_orig_params=True,
+        device_id=_mesh_device(mesh),
+        param_init_fn=None,
+        sync_module_states=False,
+        device_mesh_given=True,
+        ignored_modules=frozenset(),
+        ignored_params=frozenset(ignored_params or ()),
+        dim0_layout=True,
+        mesh=mesh,
+    )

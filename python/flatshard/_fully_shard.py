@@ -1,0 +1,162 @@
+"""``fully_shard``: torch FSDP2's API over the flatshard runtime.
+
+[Note: fully_shard]
+``fully_shard(module)`` makes ``module`` a unit (one per call, applied bottom-up as FSDP2 users do: the blocks
+first, then the root), as the class makes its wrapper one; the unit is the module itself. What differs from
+the class is only what the front-end resolves and how it presents the parameters:
+- ``_fsdp2_config.resolve`` turns the arguments into the frozen ``UnitConfig`` (see [Note: Unit
+  configuration]), with FSDP2's layout (``dim0_layout``: see [Note: Dim-0 layout] in
+  csrc/flatshard/layout.h) and its mesh;
+- the construction (``_construction.build_flat_param``) is the class's, the unit's parameters becoming
+  DTensors over its shard (see [Note: DTensor parameters] in _dtensor_params.py);
+- the lifecycle is the runtime's (``_runtime.begin_forward`` / ``end_forward``), called from a forward pre-hook
+  and a forward hook on the module, as FSDP2 does, so that a forward replaced on the instance (frameworks
+  patch ``model.forward``) still runs inside them;
+- the module's class becomes a dynamic subclass ``FSDP<Class>`` of ``FSDPModule``, which is an instance of
+  torch's ``FSDPModule``, with FSDP2's methods.
+
+[Note: fully_shard's coverage]
+This first version trains fp32 on a 1-D mesh, ``reshard_after_forward`` True or False (None: True, and the
+root keeps its parameters after forward), ``ignored_params``, and ``shard_placement_fn`` giving ``Shard(0)``.
+What it does not support yet raises NotImplementedError naming the argument or method: HSDP's 2-D mesh,
+``reshard_after_forward`` as an int, ``mp_policy``, ``CPUOffloadPolicy``, ``Shard(i)`` for i > 0, a list of
+modules, and the FSDPModule methods listed in ``_NOT_YET``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from flatshard import _construction, _fsdp2_config, _runtime
+from flatshard._common import is_unit
+from flatshard._state import UnitState
+
+__all__ = ["FSDPModule", "fully_shard"]
+
+
+def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: Callable | None = None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(),
+                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+    """torch's ``torch.distributed.fsdp.fully_shard`` on flatshard's runtime (see [Note: fully_shard] and
+    [Note: fully_shard's coverage]). Returns ``module``, now an ``FSDPModule``."""
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("fully_shard: a list of modules (one group for several) is not supported by "
+                                  "flatshard yet; call fully_shard on each, or on their common parent.")
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"fully_shard: expected an nn.Module but got {type(module).__name__}")
+    if is_unit(module):
+        raise ValueError(f"fully_shard: {type(module).__name__} is already sharded (fully_shard was called on it, "
+                         f"or it is a FullyShardedDataParallel); call fully_shard once per module.")
+    config = _fsdp2_config.resolve(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+                                   offload_policy, ignored_params)
+    state = UnitState("", module, config, config.device_id)
+    module.__dict__["_unit_state"] = state
+    _construction.build_flat_param(module, module)
+    if state.handle is not None:
+        _runtime.set_views(state, state.placeholders, placeholders=True)
+    module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
+    module.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
+    module.__class__ = _fsdp_class(type(module))
+    return module
+
+
+def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    try:
+        args, kwargs, call = _runtime.begin_forward(module, args, kwargs)
+    except BaseException as error:
+        _runtime.forward_raised(module, error)
+        raise
+    module._unit_state.forward_call = call
+    return args, kwargs
+
+
+def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    s = module._unit_state
+    call, s.forward_call = s.forward_call, None
+    if call is None:  # the pre-forward hook raised: nothing to end
+        return output
+    error = sys.exc_info()[1]  # (always_call: on the module's exception this hook runs in its handler)
+    if error is not None:
+        _runtime.end_forward(module, call, None, raised=True)
+        _runtime.forward_raised(module, error)
+        return None
+    return _runtime.end_forward(module, call, output)
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: ``FSDPModule`` first in the method resolution order, as torch's (made once per class)."""
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _FSDP_CLASSES[cls]
+
+
+# FSDPModule's methods flatshard does not have yet: each raises NotImplementedError naming itself.
+_NOT_YET = ("set_requires_all_reduce", "set_reshard_after_forward", "set_reshard_after_backward",
+            "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "set_custom_all_gather",
+            "set_custom_reduce_scatter", "set_all_reduce_hook", "set_post_optim_event",
+            "set_reduce_scatter_divide_factor", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms",
+            "set_reduce_scatter_unused_params", "set_unshard_in_backward", "set_reduce_scatter_max_input_buffers",
+            "set_separate_reduce_scatter_group", "set_allocate_memory_from_process_group_for_comm",
+            "set_symm_mem_for_comm")
+
+
+def _not_yet(name: str) -> Callable:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"FSDPModule.{name}: not supported by flatshard's fully_shard yet (see "
+                                  f"[Note: fully_shard's coverage]); use torch's fully_shard for it meanwhile.")
+
+    method.__name__ = name
+    return method
+
+
+class FSDPModule(TorchFSDPModule):
+    """flatshard's ``FSDPModule``: an instance of torch's, with its methods on flatshard's runtime."""
+
+    _is_flatshard_unit = True  # see _common.is_unit
+    _orig_cls_mro_index = 3  # [FSDP<Orig>, this, torch's FSDPModule, Orig, ...] (torch's __new__ reads it)
+
+    def reshard(self) -> None:
+        """Frees this module's unsharded parameters (the registered DTensors come back)."""
+        s = self._unit_state
+        if s.handle is not None and s.root is not None:
+            _runtime.reshard(s)
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gathers this module's parameters; flatshard waits at once (``async_op`` returns no handle)."""
+        s = self._unit_state
+        if s.is_root is None:
+            _runtime.lazy_init(self)
+        if s.handle is not None:
+            _runtime.set_views(s, s.root.scheduler.wait_for_unshard(s.handle, None, views=True))
+        return None
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: gradients accumulate unsharded, unreduced, until a backward with it True (FSDP2's no_sync)."""
+        units = [m for m in self.modules() if is_unit(m)] if recurse else [self]
+        for m in units:
+            m._unit_state.sync_gradients = bool(requires_gradient_sync)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """flatshard ends every backward the same way: nothing to change."""
+
+    def reset_iter_state(self) -> None:
+        s = self._unit_state
+        if s.root is not None and s.root.final_callback_queued:
+            _runtime.abort_backward(s.root)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+
+
+for _name in _NOT_YET:
+    setattr(FSDPModule, _name, _not_yet(_name))

@@ -1,0 +1,195 @@
+"""``flatshard.fully_shard`` against torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) on the same script.
+
+The oracle is torch's FSDP2 itself: each case builds the same model twice on every rank, shards one with
+torch's ``fully_shard`` and one with flatshard's (blocks first, then the root, as FSDP2 users do), trains both
+three Adam steps on the same rows of the same global batch, and compares per-step losses, the last step's
+gradients (each rank's local tensor of each DTensor ``.grad``) and the final parameters (each rank's local
+tensor). fp32 results are bit-equal: both lay each parameter's dim-0 chunks out the same way (see [Note: Dim-0
+layout] in csrc/flatshard/layout.h), sum them with gloo's reduce-scatter and divide by a power of two.
+
+The GPT has a vocabulary of 67 rows and a position table of 10: neither divides by 2 or 4, so ranks hold
+padded chunks, and at W = 4 the position table's last rank holds 1 row of 3. Every case of one world size
+runs in one process start (see [Note: One process start per world size] in tests/_cases.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from _cases import CaseRun
+from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+
+VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
+CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
+         "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table"]
+WORLD_SIZES = [1, 2, 4]
+
+
+def _build(impl: str, case: str) -> nn.Module:
+    if impl == "flatshard":
+        from flatshard import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    model = make_gpt(vocab=VOCAB, seq=SEQ, seed=0)
+    kwargs = {}
+    if case.startswith("reshard_after_forward="):
+        kwargs["reshard_after_forward"] = {"None": None, "True": True, "False": False}[case.split("=")[1]]
+    if case == "frozen_embedding":
+        model.embed.weight.requires_grad_(False)
+    if case == "ignored_position_table":
+        kwargs["ignored_params"] = {model.pos}
+    if case == "checkpointed_blocks":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+    for block in model.blocks:
+        fully_shard(block, **{k: v for k, v in kwargs.items() if k != "ignored_params"})
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses, grads = [], []
+    for step in range(STEPS):
+        tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size)
+        if case == "no_gradient_sync":  # two micro-batches, the first without reduction
+            model.set_requires_gradient_sync(False)
+            loss = gpt_loss(model, tokens[:, :5], targets[:, :5]) / 2
+            loss.backward()
+            model.set_requires_gradient_sync(True)
+            second = gpt_loss(model, tokens[:, 5:], targets[:, 5:]) / 2
+            second.backward()
+            loss = loss + second
+        else:
+            loss = gpt_loss(model, tokens, targets)
+            loss.backward()
+        grads = [None if p.grad is None else _local(p.grad).clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "params": [_local(p).detach().clone() for p in model.parameters()],
+            "names": [n for n, _ in model.named_parameters()]}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _parity(rank: int, world_size: int, case: str) -> list[str]:
+    """Problems found (empty: flatshard's run equals torch FSDP2's bit for bit)."""
+    from flatshard import _C
+
+    theirs = _train(_build("torch", case), case, rank, world_size)
+    model = _build("flatshard", case)
+    ours = _train(model, case, rank, world_size)
+    problems = []
+    if ours["names"] != theirs["names"]:
+        problems.append(f"parameter names {ours['names']} != torch's {theirs['names']}")
+    if ours["losses"] != theirs["losses"]:
+        problems.append(f"losses {ours['losses']} != torch's {theirs['losses']}")
+    for what in ("grads", "params"):
+        for name, a, b in zip(theirs["names"], ours[what], theirs[what]):
+            if (a is None) != (b is None) or (a is not None and not (a.shape == b.shape and torch.equal(a, b))):
+                diff = "" if a is None or b is None or a.shape != b.shape else f", max |diff| {(a - b).abs().max():.2e}"
+                problems.append(f"{what[:-1]} {name}: {None if a is None else tuple(a.shape)} vs torch's "
+                                f"{None if b is None else tuple(b.shape)}{diff}")
+    if _C.unsharded_bytes() != 0:
+        problems.append(f"{_C.unsharded_bytes()} bytes unsharded between iterations")
+    return problems
+
+
+def _cases_of(world_size: int):
+    return world_size, [(case, case) for case in CASES]
+
+
+RUNS = CaseRun(_parity, _cases_of, timeout=300.0, pg_timeout=30.0)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", CASES)
+def test_same_training_as_torch_fsdp2(case, world_size):
+    problems = [f"rank {rank}: " + "\n  ".join(p) for rank, p in enumerate(RUNS.results(world_size, case)) if p]
+    assert not problems, f"{case} at W={world_size}:\n" + "\n".join(problems)
+
+
+# ------------------------------------------------------------------ what users see
+
+
+def _surface(rank: int, world_size: int) -> dict:
+    """What a script sees of a fully_shard model, flatshard's and torch's side by side."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for impl in ("torch", "flatshard"):
+        model = _build(impl, "reshard_after_forward=None")
+        state = model.state_dict()
+        out[impl] = {
+            "class": type(model).__name__,
+            "is_fsdp_module": [isinstance(m, TorchFSDPModule) for m in (model, model.blocks[0], model.ln_f)],
+            "params": [(n, type(p).__name__, isinstance(p, nn.Parameter), tuple(p.shape), str(p.placements))
+                       for n, p in model.named_parameters()],
+            "state_dict": {k: (type(v).__name__, _local(v).clone()) for k, v in state.items()},
+            "dtensor_grads": None,
+        }
+        loss = gpt_loss(model, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB), rank, world_size))
+        loss.backward()
+        out[impl]["dtensor_grads"] = [isinstance(p.grad, DTensor) and p.grad.placements == p.placements
+                                      for p in model.parameters()]
+    return out
+
+
+def test_a_sharded_model_looks_like_torch_fsdp2s():
+    """Class name, FSDPModule instances, DTensor parameters (names, shapes, placements), state_dict (DTensors
+    of the same local values) and DTensor gradients, as torch's FSDP2 shows them, at W = 2."""
+    from _dist import run_distributed
+
+    for rank, out in enumerate(run_distributed(_surface, 2, timeout=120)):
+        ours, theirs = out["flatshard"], out["torch"]
+        for key in ("class", "is_fsdp_module", "params", "dtensor_grads"):
+            assert ours[key] == theirs[key], f"rank {rank}, {key}: {ours[key]} != torch's {theirs[key]}"
+        assert ours["state_dict"].keys() == theirs["state_dict"].keys()
+        for k, (kind, value) in theirs["state_dict"].items():
+            assert ours["state_dict"][k][0] == kind and torch.equal(ours["state_dict"][k][1], value), k
+
+
+def _refusals(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.tensor import Shard
+
+    from flatshard import fully_shard
+
+    def fresh():
+        return make_gpt(vocab=VOCAB, seq=SEQ)
+
+    refusals = [
+        (dict(mesh=init_device_mesh("cpu", (2, 2))), "1-D mesh so far, not HSDP's 2-D mesh"),
+        (dict(reshard_after_forward=2), r"reshard_after_forward=2 \(resharding to a smaller group\)"),
+        (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), "mp_policy=.* is not supported"),
+        (dict(offload_policy=CPUOffloadPolicy()), "offload_policy=.* is not supported"),
+        (dict(shard_placement_fn=lambda p: Shard(1)), "gives Shard\\(1\\) for parameter 'pos'"),
+    ]
+    for kwargs, message in refusals:
+        with pytest.raises(NotImplementedError, match=message):
+            fully_shard(fresh(), **kwargs)
+    with pytest.raises(NotImplementedError, match="a list of modules"):
+        fully_shard([fresh().blocks[0], fresh().ln_f])
+    model = fresh()
+    fully_shard(model)
+    with pytest.raises(ValueError, match="GPT is already sharded"):
+        fully_shard(model)
+    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_modules_to_forward_prefetch: not supported"):
+        model.set_modules_to_forward_prefetch([])
+
+
+def test_what_is_not_supported_yet_is_refused_by_name():
+    from _dist import run_distributed
+
+    run_distributed(_refusals, 4, timeout=120)
