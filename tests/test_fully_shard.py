@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from _cases import CaseRun
-from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+from models import ATOL, RTOL, gpt_loss, local_slice, make_batch, make_gpt
 
 VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
-         "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table"]
+         "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty"]
 WORLD_SIZES = [1, 2, 4]
 
 
@@ -34,7 +34,11 @@ def _build(impl: str, case: str) -> nn.Module:
         from flatshard import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
-    model = make_gpt(vocab=VOCAB, seq=SEQ, seed=0)
+    if case == "meta_then_to_empty":  # torchtitan's way: shard on meta, to_empty, then initialize in place
+        with torch.device("meta"):
+            model = make_gpt(vocab=VOCAB, seq=SEQ, seed=0)
+    else:
+        model = make_gpt(vocab=VOCAB, seq=SEQ, seed=0)
     kwargs = {}
     if case.startswith("reshard_after_forward="):
         kwargs["reshard_after_forward"] = {"None": None, "True": True, "False": False}[case.split("=")[1]]
@@ -50,6 +54,16 @@ def _build(impl: str, case: str) -> nn.Module:
     for block in model.blocks:
         fully_shard(block, **{k: v for k, v in kwargs.items() if k != "ignored_params"})
     fully_shard(model, **kwargs)
+    if case == "meta_then_to_empty":
+        from torch.distributed.tensor import distribute_tensor
+
+        model.to_empty(device="cpu")
+        reference = make_gpt(vocab=VOCAB, seq=SEQ, seed=0)
+        with torch.no_grad():
+            for p, want in zip(model.parameters(), reference.parameters()):
+                p.copy_(distribute_tensor(want, p.device_mesh, p.placements))
+            for b, want in zip(model.buffers(), reference.buffers()):
+                b.copy_(want)
     return model
 
 
@@ -193,3 +207,69 @@ def test_what_is_not_supported_yet_is_refused_by_name():
     from _dist import run_distributed
 
     run_distributed(_refusals, 4, timeout=120)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _steps(model: nn.Module, opt, steps: range, rank: int, world_size: int) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = gpt_loss(model, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _save_then_go_on(rank: int, world_size: int, impl: str, path: str | None) -> list[float]:
+    """Two steps, a DCP checkpoint of model and optimizer through torch's state_dict helpers (into ``path``,
+    if any), two more steps: their losses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _build(impl, "reshard_after_forward=None")
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    _steps(model, opt, range(2), rank, world_size)
+    if path is not None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return _steps(model, opt, range(2, 4), rank, world_size)
+
+
+def _load_then_go_on(rank: int, world_size: int, impl: str, path: str) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    with torch.random.fork_rng():
+        torch.manual_seed(7)  # other weights than the checkpoint's: the load must replace every one
+        model = _build(impl, "reshard_after_forward=None")
+        for p in model.parameters():
+            p.data.uniform_()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _steps(model, opt, range(2, 4), rank, world_size)
+
+
+@pytest.mark.parametrize("saved_at, loaded_at", [(2, 2), (2, 4)], ids=["W2", "W2to4"])
+@pytest.mark.parametrize("saver, loader", [("torch", "flatshard"), ("flatshard", "torch")])
+def test_checkpoints_interchange_with_torch_fsdp2(saver, loader, saved_at, loaded_at, tmp_path):
+    """A DCP checkpoint (model and Adam state, through torch.distributed.checkpoint.state_dict) saved by one
+    implementation and loaded by the other goes on as the saver's own run does: bit for bit at the same world
+    size; resharded to 4 ranks, the global loss (the mean of the ranks' means over equal rows) within the
+    parity tolerance of models.py (the reductions add in another order)."""
+    from _dist import run_distributed
+
+    path = str(tmp_path / "ckpt")
+    went_on = run_distributed(_save_then_go_on, saved_at, saver, path, timeout=120)
+    resumed = run_distributed(_load_then_go_on, loaded_at, loader, path, timeout=120)
+    what = f"{saver} saved at W={saved_at}, {loader} resumed at W={loaded_at}"
+    if saved_at == loaded_at:
+        assert resumed == went_on, what
+    else:
+        torch.testing.assert_close(torch.tensor(resumed).mean(0), torch.tensor(went_on).mean(0), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{what}: {m}")

@@ -62,3 +62,4 @@ class UnitConfig:
     # --- fully_shard's (the class leaves the defaults)
     dim0_layout: bool = False  # FSDP2's layout and DTensor parameters (see [Note: DTensor parameters])
     mesh: Any = None  # the DeviceMesh the DTensor parameters are placed on
+    meta_to_empty: bool = False  # a meta-device module's tensors become uninitialized memory (users init later)

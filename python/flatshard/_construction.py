@@ -155,7 +155,7 @@ def _materialize(s: UnitState, unit_mods: list[tuple[str, nn.Module]]) -> dict[i
             if real:
                 s.device = real[0].device
     else:
-        meta_originals = materialize_meta(unit_mods, s.device, s.name)
+        meta_originals = materialize_meta(unit_mods, s.device, s.name, initialize=not s.config.meta_to_empty)
     for _, m in unit_mods:  # buffers go where the parameters go (torch moves the whole module)
         for attr, b in m._buffers.items():
             if b is not None and b.device != s.device:
@@ -239,9 +239,10 @@ def _build_handle(s: UnitState, params: list[nn.Parameter], local_names: list[st
 
 
 def materialize_meta(
-    unit_modules: list[tuple[str, nn.Module]], device: torch.device, unit_name: str
+    unit_modules: list[tuple[str, nn.Module]], device: torch.device, unit_name: str, initialize: bool = True
 ) -> dict[int, nn.Parameter]:
-    """Materializes the unit's meta-device modules on ``device`` with their reset_parameters().
+    """Materializes the unit's meta-device modules on ``device`` with their reset_parameters() (without
+    ``initialize``: uninitialized, as ``to_empty`` leaves them).
 
     Tied parameters stay tied (one new parameter per old one). A meta parameter
     another unit already owns is left alone, for the caller's tied-parameter
@@ -253,7 +254,7 @@ def materialize_meta(
         states = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         if not any(t.is_meta for t in states):
             continue
-        if not callable(getattr(m, "reset_parameters", None)):
+        if initialize and not callable(getattr(m, "reset_parameters", None)):
             name = join(unit_name, prefix) or type(m).__name__
             raise ValueError(
                 f"FullyShardedDataParallel: module '{name}' ({type(m).__name__}) has tensors on the meta "
@@ -275,9 +276,10 @@ def materialize_meta(
         for attr, b in m._buffers.items():
             if b is not None and b.is_meta:
                 m._buffers[attr] = torch.empty_like(b, device=device)
-    with torch.no_grad():
-        for m in todo:
-            m.reset_parameters()
+    if initialize:
+        with torch.no_grad():
+            for m in todo:
+                m.reset_parameters()
     return old_of
 
 

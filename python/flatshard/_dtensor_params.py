@@ -14,6 +14,9 @@ in _orig_params.py, whose functions hand over to these for a unit with ``config.
   gradient shard; a parameter that took no part in this iteration's backward keeps ``.grad = None``.
 - Before an iteration what the user did in between is written back (``writeback``): gradients set to None
   (``zero_grad``) clear the gradient shard, replaced ones are copied into it.
+- ``module._apply`` (``to_empty``, ``.to``, ``.float()``, ...) replaces each parameter's data: ``rebind``
+  copies the new values into the shard and points the parameter back at it (torchtitan's ``to_empty``, then
+  its in-place initialization, then lands in the shard); a move to another device or dtype is refused by name.
 """
 
 from __future__ import annotations
@@ -99,3 +102,20 @@ def writeback(s: UnitState) -> None:
                 target.copy_(local)
     if flat.grad is not flat_grad:
         flat.grad = flat_grad
+
+
+@torch.no_grad()
+def rebind(s: UnitState) -> None:
+    """After ``_apply`` replaced parameters' data: the values into the shard, the parameters back onto it."""
+    for name, p, view in zip(s.param_names, s.orig_params, local_views(s, s.flat_param.detach())):
+        local = p.to_local()
+        if local.data_ptr() == view.data_ptr() and local.shape == view.shape:
+            continue
+        if local.device != view.device or local.dtype != view.dtype or local.shape != view.shape:
+            raise NotImplementedError(
+                f"fully_shard: parameter '{name}' was moved or cast to {local.dtype} on {local.device} after "
+                f"fully_shard (it is {view.dtype} on {view.device}); flatshard's fully_shard does not support that "
+                f"yet: move or cast the module before fully_shard (to_empty on the same device is fine).")
+        view.copy_(local)
+        # (A DTensor's local tensor is not what ``.data =`` sets: swapped whole, as nn.Module._apply does.)
+        torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, view, list(p.shape)), requires_grad=p.requires_grad))

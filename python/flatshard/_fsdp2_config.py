@@ -97,4 +97,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         ignored_params=frozenset(ignored_params or ()),
         dim0_layout=True,
         mesh=mesh,
+        # A meta-device module's tensors: uninitialized on the device, as to_empty makes them (FSDP2's users
+        # initialize after sharding: to_empty, then their own in-place init), not reset_parameters().
+        meta_to_empty=True,
     )

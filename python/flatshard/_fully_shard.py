@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from flatshard import _construction, _fsdp2_config, _runtime
+from flatshard import _construction, _dtensor_params, _fsdp2_config, _runtime
 from flatshard._common import is_unit
 from flatshard._state import UnitState
 
@@ -153,6 +153,16 @@ class FSDPModule(TorchFSDPModule):
         s = self._unit_state
         if s.root is not None and s.root.final_callback_queued:
             _runtime.abort_backward(s.root)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
+        """``to_empty``, ``.to``, ``.float()``: applied, then every unit's parameters put back onto its shard (see
+        [Note: DTensor parameters] in _dtensor_params.py)."""
+        self.reshard()
+        out = super(TorchFSDPModule, self)._apply(fn, recurse)  # (torch's FSDPModule._apply reads torch's state)
+        for m in self.modules() if recurse else [self]:
+            if is_unit(m) and m._unit_state.handle is not None and m._unit_state.config.dim0_layout:
+                _dtensor_params.rebind(m._unit_state)
+        return out
 
     def __deepcopy__(self, memo: Any) -> Any:
         raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
