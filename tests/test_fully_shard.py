@@ -4,8 +4,9 @@ The oracle is torch's FSDP2 itself: each case builds the same model twice on eve
 torch's ``fully_shard`` and one with flatshard's (blocks first, then the root, as FSDP2 users do), trains both
 three Adam steps on the same rows of the same global batch, and compares per-step losses, the last step's
 gradients (each rank's local tensor of each DTensor ``.grad``) and the final parameters (each rank's local
-tensor). fp32 results are bit-equal: both lay each parameter's dim-0 chunks out the same way (see [Note: Dim-0
-layout] in csrc/flatshard/layout.h), sum them with gloo's reduce-scatter and divide by a power of two.
+tensor). Results are bit-equal, fp32 and bf16 (``MixedPrecisionPolicy``) alike: both lay each parameter's
+dim-0 chunks out the same way (see [Note: Dim-0 layout] in csrc/flatshard/layout.h), cast them the same way,
+sum them with gloo's reduce-scatter and divide by a power of two.
 
 The GPT has a vocabulary of 67 rows and a position table of 10: neither divides by 2 or 4, so ranks hold
 padded chunks, and at W = 4 the position table's last rank holds 1 row of 3. Every case of one world size
@@ -25,7 +26,8 @@ from models import ATOL, RTOL, gpt_loss, local_slice, make_batch, make_gpt
 
 VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
-         "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty"]
+         "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
+         "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs"]
 WORLD_SIZES = [1, 2, 4]
 
 
@@ -42,6 +44,12 @@ def _build(impl: str, case: str) -> nn.Module:
     kwargs = {}
     if case.startswith("reshard_after_forward="):
         kwargs["reshard_after_forward"] = {"None": None, "True": True, "False": False}[case.split("=")[1]]
+    if case.startswith("bf16"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if case == "bf16_params_fp32_reduce" else None,
+            output_dtype=torch.float32 if case == "bf16_fp32_outputs" else None)
     if case == "frozen_embedding":
         model.embed.weight.requires_grad_(False)
     if case == "ignored_position_table":
@@ -51,8 +59,13 @@ def _build(impl: str, case: str) -> nn.Module:
 
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
+    block_kwargs = {k: v for k, v in kwargs.items() if k != "ignored_params"}
+    if case == "bf16_fp32_outputs":  # the root's outputs only (a block's fp32 output would meet bf16 weights)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        block_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for block in model.blocks:
-        fully_shard(block, **{k: v for k, v in kwargs.items() if k != "ignored_params"})
+        fully_shard(block, **block_kwargs)
     fully_shard(model, **kwargs)
     if case == "meta_then_to_empty":
         from torch.distributed.tensor import distribute_tensor
@@ -175,7 +188,7 @@ def test_a_sharded_model_looks_like_torch_fsdp2s():
 
 def _refusals(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
 
     from flatshard import fully_shard
@@ -186,7 +199,6 @@ def _refusals(rank: int, world_size: int) -> None:
     refusals = [
         (dict(mesh=init_device_mesh("cpu", (2, 2))), "1-D mesh so far, not HSDP's 2-D mesh"),
         (dict(reshard_after_forward=2), r"reshard_after_forward=2 \(resharding to a smaller group\)"),
-        (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), "mp_policy=.* is not supported"),
         (dict(offload_policy=CPUOffloadPolicy()), "offload_policy=.* is not supported"),
         (dict(shard_placement_fn=lambda p: Shard(1)), "gives Shard\\(1\\) for parameter 'pos'"),
     ]

@@ -63,3 +63,4 @@ class UnitConfig:
     dim0_layout: bool = False  # FSDP2's layout and DTensor parameters (see [Note: DTensor parameters])
     mesh: Any = None  # the DeviceMesh the DTensor parameters are placed on
     meta_to_empty: bool = False  # a meta-device module's tensors become uninitialized memory (users init later)
+    output_dtype: torch.dtype | None = None  # the forward's floating-point outputs cast to it (fully_shard's hook)

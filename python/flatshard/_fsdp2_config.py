@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard._config import UnitConfig
-from flatshard.api import BackwardPrefetch, ShardingStrategy
+from flatshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
 
 def default_mesh() -> Any:
@@ -36,7 +36,7 @@ def _mesh_device(mesh: Any) -> torch.device:
 
 def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Callable | None,
                      mp_policy: Any, offload_policy: Any) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
 
     name = type(module).__name__
@@ -46,9 +46,6 @@ def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, s
     if not isinstance(reshard_after_forward, (bool, type(None))):
         raise NotImplementedError(f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} (resharding "
                                   f"to a smaller group) is not supported by flatshard yet; pass True or False.")
-    if mp_policy != MixedPrecisionPolicy():
-        raise NotImplementedError(f"fully_shard({name}): mp_policy={mp_policy} is not supported by flatshard's "
-                                  f"fully_shard yet (only the default, full precision).")
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError(f"fully_shard({name}): offload_policy={offload_policy} is not supported by "
                                   f"flatshard's fully_shard yet.")
@@ -59,6 +56,18 @@ def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, s
                 shown = f"Shard({placement.dim})" if isinstance(placement, Shard) else repr(placement)
                 raise NotImplementedError(f"fully_shard({name}): shard_placement_fn gives {shown} for parameter "
                                           f"'{pname}'; flatshard shards on dim 0 only so far.")
+
+
+def _mixed_precision(mp_policy: Any) -> MixedPrecision | None:
+    """FSDP2's MixedPrecisionPolicy as the runtime's MixedPrecision (torch FSDP1's dataclass): the all-gather and
+    compute in ``param_dtype``; the reduction in ``reduce_dtype``, else in ``param_dtype`` (FSDP2's rule); each
+    unit's forward inputs cast to ``param_dtype`` with ``cast_forward_inputs``. ``output_dtype`` is the
+    front-end's (its forward hook casts the outputs)."""
+    if mp_policy.param_dtype is None and mp_policy.reduce_dtype is None:
+        return None
+    return MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype or mp_policy.param_dtype,
+                          cast_forward_inputs=mp_policy.cast_forward_inputs,
+                          cast_root_forward_inputs=mp_policy.cast_forward_inputs)
 
 
 def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | None,
@@ -86,7 +95,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=False,
         limit_all_gathers=True,
-        mixed_precision=None,
+        mixed_precision=_mixed_precision(mp_policy),
         offload_params=False,
         use_orig_params=True,
         device_id=_mesh_device(mesh),
@@ -100,4 +109,5 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         # A meta-device module's tensors: uninitialized on the device, as to_empty makes them (FSDP2's users
         # initialize after sharding: to_empty, then their own in-place init), not reset_parameters().
         meta_to_empty=True,
+        output_dtype=mp_policy.output_dtype,
     )

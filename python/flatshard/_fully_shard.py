@@ -16,11 +16,11 @@ the class is only what the front-end resolves and how it presents the parameters
   torch's ``FSDPModule``, with FSDP2's methods.
 
 [Note: fully_shard's coverage]
-This first version trains fp32 on a 1-D mesh, ``reshard_after_forward`` True or False (None: True, and the
-root keeps its parameters after forward), ``ignored_params``, and ``shard_placement_fn`` giving ``Shard(0)``.
-What it does not support yet raises NotImplementedError naming the argument or method: HSDP's 2-D mesh,
-``reshard_after_forward`` as an int, ``mp_policy``, ``CPUOffloadPolicy``, ``Shard(i)`` for i > 0, a list of
-modules, and the FSDPModule methods listed in ``_NOT_YET``.
+This first version trains on a 1-D mesh, ``reshard_after_forward`` True or False (None: True, and the root
+keeps its parameters after forward), ``mp_policy`` (every field), ``ignored_params``, and
+``shard_placement_fn`` giving ``Shard(0)``. What it does not support yet raises NotImplementedError naming the
+argument or method: HSDP's 2-D mesh, ``reshard_after_forward`` as an int, ``CPUOffloadPolicy``, ``Shard(i)``
+for i > 0, a list of modules, and the FSDPModule methods listed in ``_NOT_YET``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from flatshard import _construction, _dtensor_params, _fsdp2_config, _runtime
 from flatshard._common import is_unit
+from flatshard._mixed_precision import cast_floating
 from flatshard._state import UnitState
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -87,7 +88,10 @@ def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any
         _runtime.end_forward(module, call, None, raised=True)
         _runtime.forward_raised(module, error)
         return None
-    return _runtime.end_forward(module, call, output)
+    output = _runtime.end_forward(module, call, output)
+    if s.config.output_dtype is not None:  # MixedPrecisionPolicy.output_dtype
+        output = cast_floating(s.config.output_dtype, output)
+    return output
 
 
 _FSDP_CLASSES: dict[type, type] = {}
