@@ -29,6 +29,8 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs"]
 WORLD_SIZES = [1, 2, 4]
+# At W = 4 only: HSDP on a 2x2 mesh (replicate, shard), resharding after forward or not.
+HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False"]
 
 
 def _build(impl: str, case: str) -> nn.Module:
@@ -50,6 +52,11 @@ def _build(impl: str, case: str) -> nn.Module:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if case == "bf16_params_fp32_reduce" else None,
             output_dtype=torch.float32 if case == "bf16_fp32_outputs" else None)
+    if case.startswith("hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        kwargs["reshard_after_forward"] = not case.endswith("=False")
     if case == "frozen_embedding":
         model.embed.weight.requires_grad_(False)
     if case == "ignored_position_table":
@@ -132,14 +139,14 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
 
 
 def _cases_of(world_size: int):
-    return world_size, [(case, case) for case in CASES]
+    return world_size, [(case, case) for case in CASES + (HSDP_CASES if world_size == 4 else [])]
 
 
 RUNS = CaseRun(_parity, _cases_of, timeout=300.0, pg_timeout=30.0)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case, world_size", [(c, w) for w in WORLD_SIZES for c in CASES]
+                         + [(c, 4) for c in HSDP_CASES])
 def test_same_training_as_torch_fsdp2(case, world_size):
     problems = [f"rank {rank}: " + "\n  ".join(p) for rank, p in enumerate(RUNS.results(world_size, case)) if p]
     assert not problems, f"{case} at W={world_size}:\n" + "\n".join(problems)
@@ -197,7 +204,7 @@ def _refusals(rank: int, world_size: int) -> None:
         return make_gpt(vocab=VOCAB, seq=SEQ)
 
     refusals = [
-        (dict(mesh=init_device_mesh("cpu", (2, 2))), "1-D mesh so far, not HSDP's 2-D mesh"),
+        (dict(mesh=init_device_mesh("cpu", (1, 2, 2))), r"a 3-D mesh \(1, 2, 2\): flatshard takes a 1-D mesh"),
         (dict(reshard_after_forward=2), r"reshard_after_forward=2 \(resharding to a smaller group\)"),
         (dict(offload_policy=CPUOffloadPolicy()), "offload_policy=.* is not supported"),
         (dict(shard_placement_fn=lambda p: Shard(1)), "gives Shard\\(1\\) for parameter 'pos'"),

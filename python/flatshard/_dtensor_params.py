@@ -4,7 +4,7 @@
 As torch's FSDP2, and as the class's use_orig_params does with plain views (see [Note: Original parameters]
 in _orig_params.py, whose functions hand over to these for a unit with ``config.dim0_layout``):
 - Each managed parameter is replaced, on every module that registers it, by an ``nn.Parameter`` holding a
-  ``DTensor`` over the unit's mesh with ``Shard(0)``, whose local tensor is this rank's ``torch.chunk`` rows of
+  ``DTensor`` over the unit's mesh with ``Shard(0)`` (HSDP: ``(Replicate(), Shard(0))``), whose local tensor is this rank's ``torch.chunk`` rows of
   it: a view of the unit's local shard (see [Note: Dim-0 layout] in csrc/flatshard/layout.h), so that an
   optimizer step on it is a step on the shard and the next all-gather sends it. Its values equal torch FSDP2's
   local tensor on every rank (tests/test_layout.py).
@@ -44,10 +44,14 @@ def local_views(s: UnitState, flat: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _as_dtensor(s: UnitState, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Shard
+    """``local`` as this rank's part of a DTensor of ``shape``: ``Shard(0)``, and ``Replicate()`` over HSDP's
+    first mesh dim."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    mesh = s.config.mesh
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     with torch.no_grad():
-        return DTensor.from_local(local, s.config.mesh, (Shard(0),), run_check=False, shape=torch.Size(shape),
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
 
 

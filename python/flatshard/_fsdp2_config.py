@@ -40,9 +40,10 @@ def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, s
     from torch.distributed.tensor import Shard
 
     name = type(module).__name__
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"fully_shard({name}): flatshard supports a 1-D mesh so far, not HSDP's 2-D mesh "
-                                  f"{tuple(mesh.shape)}; use torch's fully_shard for HSDP meanwhile.")
+    if mesh.ndim not in (1, 2):
+        raise NotImplementedError(f"fully_shard({name}): a {mesh.ndim}-D mesh {tuple(mesh.shape)}: flatshard takes a "
+                                  f"1-D mesh (FSDP) or a 2-D one (HSDP: replicate, shard); not dp_mesh_dims' SPMD "
+                                  f"meshes yet.")
     if not isinstance(reshard_after_forward, (bool, type(None))):
         raise NotImplementedError(f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} (resharding "
                                   f"to a smaller group) is not supported by flatshard yet; pass True or False.")
@@ -76,21 +77,26 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     """The configuration of the unit ``fully_shard`` makes of ``module``."""
     mesh = mesh if mesh is not None else default_mesh()
     _check_supported(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
-    group = mesh.get_group(0)
+    # 1-D: shard over the mesh. 2-D (HSDP): shard over its second dim, replicate over its first.
+    group = mesh.get_group(mesh.ndim - 1)
+    replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
     world_size = dist.get_world_size(group)
+    replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
     # None: True, and the root keeps its parameters after forward (the runtime never reshards the root there).
     reshard = reshard_after_forward is not False
+    strategies = ((ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD) if replicate_group is None else
+                  (ShardingStrategy._HYBRID_SHARD_ZERO2, ShardingStrategy.HYBRID_SHARD))
     return UnitConfig(
         process_group=group,
-        replicate_group=None,
+        replicate_group=replicate_group,
         rank=dist.get_rank(group),
         world_size=world_size,
-        sharding_strategy=ShardingStrategy.FULL_SHARD if reshard else ShardingStrategy.SHARD_GRAD_OP,
+        sharding_strategy=strategies[reshard],
         shard_factor=world_size,
         reshard_after_forward=reshard,
-        # FSDP2 averages (ReduceOp.AVG: the SUM divided by the group's size).
+        # FSDP2 averages over every data-parallel rank (ReduceOp.AVG): the SUMs, then one division.
         predivide=1.0,
-        postdivide=float(world_size),
+        postdivide=float(world_size * replicas),
         # FSDP2's implicit prefetch: in backward, the next unit's all-gather before this one's reduce-scatter.
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=False,

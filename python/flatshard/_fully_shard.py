@@ -16,10 +16,10 @@ the class is only what the front-end resolves and how it presents the parameters
   torch's ``FSDPModule``, with FSDP2's methods.
 
 [Note: fully_shard's coverage]
-This first version trains on a 1-D mesh, ``reshard_after_forward`` True or False (None: True, and the root
+This first version trains on a 1-D mesh or HSDP's 2-D one, ``reshard_after_forward`` True or False (None: True, and the root
 keeps its parameters after forward), ``mp_policy`` (every field), ``ignored_params``, and
 ``shard_placement_fn`` giving ``Shard(0)``. What it does not support yet raises NotImplementedError naming the
-argument or method: HSDP's 2-D mesh, ``reshard_after_forward`` as an int, ``CPUOffloadPolicy``, ``Shard(i)``
+argument or method: meshes of 3 or more dims, ``reshard_after_forward`` as an int, ``CPUOffloadPolicy``, ``Shard(i)``
 for i > 0, a list of modules, and the FSDPModule methods listed in ``_NOT_YET``.
 """
 
