@@ -1,6 +1,7 @@
 """The peers: one model trained five ways, with the same units, optimizer and step.
 
 - ``flatshard``: ``flatshard.FullyShardedDataParallel``, one unit per block plus the root
+- ``flatshard-fs``: ``flatshard.fully_shard`` (torch FSDP2's API on flatshard's runtime), as ``fsdp2``
 - ``fsdp2``:     ``torch.distributed.fsdp.fully_shard`` on each block, then on the root
 - ``fsdp1``:     ``torch.distributed.fsdp.FullyShardedDataParallel`` (``use_orig_params=False``)
 - ``ddp``:       ``DistributedDataParallel``
@@ -37,10 +38,11 @@ from torch import nn
 from fsbench.dist_env import Ctx
 from fsbench.models import ModelSpec
 
-PEERS = ("flatshard", "fsdp2", "fsdp1", "ddp", "local")
-SHARDED = ("flatshard", "fsdp2", "fsdp1")
+PEERS = ("flatshard", "flatshard-fs", "fsdp2", "fsdp1", "ddp", "local")
+SHARDED = ("flatshard", "flatshard-fs", "fsdp2", "fsdp1")
 LABELS = {
     "flatshard": "flatshard",
+    "flatshard-fs": "flatshard fully_shard",
     "fsdp2": "torch FSDP2",
     "fsdp1": "torch FSDP1",
     "ddp": "DDP",
@@ -139,8 +141,11 @@ def build_peer(name: str, spec: ModelSpec, ctx: Ctx, *, force_sum: bool = False,
         units = len(FSDP.fsdp_modules(model))
         if name == "fsdp1" and ctx.world_size == 1:
             notes.append("W=1: torch's FSDP1 switches itself to NO_SHARD")
-    elif name == "fsdp2":
+    elif name in ("fsdp2", "flatshard-fs"):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        if name == "flatshard-fs":
+            from flatshard import fully_shard
 
         model = model.to(ctx.device)
         mesh = _mesh(ctx)

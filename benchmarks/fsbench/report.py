@@ -71,6 +71,10 @@ def headline(results: dict) -> list[tuple[str, str]]:
             for peer in ("fsdp2", "fsdp1", "ddp"):
                 rows.append((f"`{workload}` W={w}: flatshard step time / {LABELS[peer]}",
                              _ratio(fs, _median(gpt, peer)) if fs and _median(gpt, peer) else _failed(gpt, peer)))
+            fs2 = _median(gpt, "flatshard-fs")
+            for peer in ("fsdp2", "flatshard"):
+                rows.append((f"`{workload}` W={w}: {LABELS['flatshard-fs']} step time / {LABELS[peer]}",
+                             _ratio(fs2, _median(gpt, peer)) if fs2 and _median(gpt, peer) else _failed(gpt, peer)))
     elif any("gpt" in runs for runs in timing.values()):
         rows.append(("`gpt` W≥2 step-time ratios", "not run here (one device)"))
     if "1" in timing:
@@ -78,9 +82,12 @@ def headline(results: dict) -> list[tuple[str, str]]:
         fs, local = _median(gpt1, "flatshard"), _median(gpt1, "local")
         rows.append(("`gpt` W=1: flatshard step time / plain local training",
                      _ratio(fs, local) if fs and local else _failed(gpt1, "flatshard")))
+        fs2, f2 = _median(gpt1, "flatshard-fs"), _median(gpt1, "fsdp2")
+        rows.append((f"`gpt` W=1: {LABELS['flatshard-fs']} step time / {LABELS['fsdp2']}",
+                     _ratio(fs2, f2) if fs2 and f2 else _failed(gpt1, "flatshard-fs")))
     for w, runs in _timing_runs(results):
         msu = runs.get("many-small-units") or {}
-        for peer in ("flatshard", "fsdp2"):
+        for peer in ("flatshard", "flatshard-fs", "fsdp2"):
             entry = msu.get("peers", {}).get(peer)
             value = (f"{entry['overhead_us_per_unit']:.0f} µs" if _ok(entry) and "overhead_us_per_unit" in entry
                      else _failed(msu, peer))

@@ -80,9 +80,13 @@ def use_grad_views(s: UnitState) -> None:
         p.grad = None
     if flat_grad is None:
         return
+    from torch.distributed.tensor import DTensor
+
     for i, (p, local) in enumerate(zip(params, local_views(s, flat_grad))):
         if p.requires_grad and s.orig_grad_seen[i]:
-            p.grad = _as_dtensor(s, local, list(p.shape))
+            # The parameter's own spec (mesh, placements, global shape, dtype): building one costs ~0.3 ms, this
+            # one spec is every backward's (as torch's FSDP2 does: DTensor's constructor, not from_local).
+            p.grad = DTensor(local, p._spec, requires_grad=False)
 
 
 @torch.no_grad()
@@ -101,7 +105,7 @@ def writeback(s: UnitState) -> None:
             target.zero_()
             s.orig_grad_seen[i] = False
         else:
-            local = g.to_local()
+            local = g._local_tensor  # (to_local() is an autograd function: microseconds a parameter a step)
             if local.data_ptr() != target.data_ptr() or local.shape != target.shape:
                 target.copy_(local)
     if flat.grad is not flat_grad:
