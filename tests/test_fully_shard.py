@@ -292,3 +292,28 @@ def test_checkpoints_interchange_with_torch_fsdp2(saver, loader, saved_at, loade
     else:
         torch.testing.assert_close(torch.tensor(resumed).mean(0), torch.tensor(went_on).mean(0), rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"{what}: {m}")
+
+
+def _forward_raises_then_trains(rank: int, world_size: int) -> tuple[float, float]:
+    """The root's forward raises (a bad input, after its parameters were gathered); the next step, run inside the
+    caller's except block, trains as a fresh model's first step does."""
+    batch = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB), rank, world_size)
+    fresh = _build("flatshard", "reshard_after_forward=None")
+    want = gpt_loss(fresh, *batch)
+    want.backward()
+    model = _build("flatshard", "reshard_after_forward=None")
+    try:
+        model(batch[0].float())  # the root's forward raises (an embedding needs integer tokens)
+    except RuntimeError:
+        got = gpt_loss(model, *batch)
+        got.backward()
+    grads_equal = all(torch.equal(a.grad.to_local(), b.grad.to_local())
+                      for a, b in zip(model.parameters(), fresh.parameters()))
+    return got.item(), want.item(), grads_equal
+
+
+def test_a_forward_that_raises_leaves_the_model_usable():
+    from _dist import run_distributed
+
+    for rank, (got, want, grads_equal) in enumerate(run_distributed(_forward_raises_then_trains, 2, timeout=120)):
+        assert got == want and grads_equal, f"rank {rank}: loss {got} vs a fresh model's {want}, grads {grads_equal}"

@@ -83,7 +83,9 @@ def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any
     call, s.forward_call = s.forward_call, None
     if call is None:  # the pre-forward hook raised: nothing to end
         return output
-    error = sys.exc_info()[1]  # (always_call: on the module's exception this hook runs in its handler)
+    # always_call: when the module raised, this hook runs in _call_impl's handler with no output; an output
+    # means the forward returned, also inside a caller's own except block.
+    error = sys.exc_info()[1] if output is None else None
     if error is not None:
         _runtime.end_forward(module, call, None, raised=True)
         _runtime.forward_raised(module, error)
