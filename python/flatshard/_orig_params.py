@@ -74,35 +74,34 @@ def use_sharded_views(s: UnitState) -> None:
             p.data = view
 
 
-def _grad_slots(s: UnitState) -> list[tuple[int, int, int]]:
-    """(param index, start, numel) of each parameter's piece in the flat shard (and its gradient)."""
+def _grad_targets(s: UnitState, flat_grad: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(param index, its piece of ``flat_grad``) for each parameter with elements in this rank's shard: 1-D, or
+    in its own shape for a replicated unit; fully_shard's: its rows (see [Note: DTensor parameters])."""
     handle = s.handle
     layout = handle.layout
+    if s.config.dim0_layout:
+        return list(enumerate(_dtensor_params.local_views(s, flat_grad)))
     if handle.is_replicated:
-        return [(i, layout.offsets[i], layout.numels[i]) for i in range(layout.num_params)]
-    return [(index, offset_in_shard, numel)
+        return [(i, flat_grad[layout.offsets[i] : layout.offsets[i] + layout.numels[i]].view(layout.shapes[i]))
+                for i in range(layout.num_params)]
+    return [(index, flat_grad[offset_in_shard : offset_in_shard + numel])
             for index, _offset_in_param, offset_in_shard, numel in layout.shard_slices(handle.rank)]
 
 
 def use_grad_views(s: UnitState) -> None:
-    """After backward: each parameter's ``.grad`` is its view of the gradient shard."""
-    if s.config.dim0_layout:
-        _dtensor_params.use_grad_views(s)
-        return
+    """After backward: each parameter's ``.grad`` is its view of the gradient shard (a DTensor over it for
+    fully_shard's)."""
     flat_grad = s.flat_param.grad
     params = s.orig_params
     for p in params:
         p.grad = None
     if flat_grad is None:
         return
-    layout = s.handle.layout
-    replicated = s.handle.is_replicated
-    for index, start, numel in _grad_slots(s):  # (a parameter with no element here keeps None, as torch)
+    as_dtensor = s.config.dim0_layout
+    for index, view in _grad_targets(s, flat_grad):  # (a parameter with no element here keeps None, as torch)
         p = params[index]
-        if not p.requires_grad or not s.orig_grad_seen[index]:
-            continue
-        view = flat_grad[start : start + numel]
-        set_grad(p, view.view(layout.shapes[index]) if replicated else view)
+        if p.requires_grad and s.orig_grad_seen[index]:
+            set_grad(p, _dtensor_params.grad_of(p, view) if as_dtensor else view)
 
 
 def set_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
@@ -126,13 +125,36 @@ def note_grads(s: UnitState, grads: tuple[torch.Tensor | None, ...]) -> None:
 
 @torch.no_grad()
 def writeback(s: UnitState) -> None:
-    """What the user changed between iterations, into the flat shard and its gradient (see the note)."""
-    if s.config.dim0_layout:
-        _dtensor_params.writeback(s)
-        return
+    """What the user changed between iterations, into the flat shard and its gradient (see the note; fully_shard's
+    parameters stay on the shard, see [Note: DTensor parameters])."""
     flat = s.flat_param
-    views = sharded_views(s)
-    for p, view in zip(s.orig_params, views):
+    if not s.config.dim0_layout:
+        _write_back_data(s)
+    grads = [p.grad for p in s.orig_params]
+    if all(g is None for g in grads):
+        if flat.grad is not None:  # zero_grad(set_to_none=True)
+            flat.grad = None
+            s.orig_grad_seen = [False] * len(grads)
+        return
+    flat_grad = flat.grad
+    if flat_grad is None:
+        flat_grad = torch.zeros_like(flat)
+    for index, target in _grad_targets(s, flat_grad):
+        g = grads[index]
+        if g is None:
+            target.zero_()
+            s.orig_grad_seen[index] = False
+            continue
+        local = _dtensor_params.local_of(g) if s.config.dim0_layout else g
+        if local.data_ptr() != target.data_ptr():
+            target.copy_(local.reshape(target.shape))
+    if flat.grad is not flat_grad:
+        flat.grad = flat_grad
+
+
+def _write_back_data(s: UnitState) -> None:
+    """A parameter whose data was replaced between iterations: the new values into the shard."""
+    for p, view in zip(s.orig_params, sharded_views(s)):
         if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape:
             if p.data.numel() != view.numel():
                 raise RuntimeError(
@@ -143,25 +165,6 @@ def writeback(s: UnitState) -> None:
                 )
             view.copy_(p.data.reshape(view.shape))
             p.data = view
-    grads = [p.grad for p in s.orig_params]
-    if all(g is None for g in grads):
-        if flat.grad is not None:  # zero_grad(set_to_none=True)
-            flat.grad = None
-            s.orig_grad_seen = [False] * len(grads)
-        return
-    flat_grad = flat.grad
-    if flat_grad is None:
-        flat_grad = torch.zeros_like(flat)
-    for index, start, numel in _grad_slots(s):
-        g = grads[index]
-        target = flat_grad[start : start + numel]
-        if g is None:
-            target.zero_()
-            s.orig_grad_seen[index] = False
-        elif g.data_ptr() != target.data_ptr():
-            target.copy_(g.reshape(-1))
-    if flat.grad is not flat_grad:
-        flat.grad = flat_grad
 
 
 def _name_of(s: UnitState, p: nn.Parameter) -> str:

@@ -212,6 +212,20 @@ TEST(Scheduler, ReplicatedUnitNeedsNoAllGatherAndAllReducesGradients) {
   });
 }
 
+// What rank's shard of the dim-0 layout holds: per tensor, its torch.chunk rows (at::chunk's), then zero rows
+// up to the layout's rows per shard.
+static at::Tensor chunk_rows_of_rank(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout, int rank) {
+  std::vector<at::Tensor> slots;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const auto index = static_cast<std::int64_t>(i);
+    const auto chunks = tensors[i].chunk(layout.shard_factor());
+    at::Tensor slot = at::zeros({layout.rows_per_shard(index) * layout.row_numel(index)});
+    if (rank < static_cast<int>(chunks.size())) slot.narrow(0, 0, chunks[rank].numel()).copy_(chunks[rank].reshape(-1));
+    slots.push_back(slot);
+  }
+  return at::cat(slots);
+}
+
 // The dim-0 layout over 3 ranks with rows that do not divide (see [Note: Dim-0 layout], [Note: Copy-out]):
 // each rank's shard holds its torch.chunk rows of each parameter (then zero rows), the unsharded parameters
 // are the originals (and alias no gathered buffer, which is gone after the copy-out), and the gradient
@@ -225,15 +239,7 @@ TEST(Scheduler, Dim0LayoutGathersCopiesOutAndReduceScattersRows) {
     options.predivide = 3.0;
     FlatParamHandle unit("unit", layout, rank, originals, options);
     // The shard: per parameter, its chunk rows padded to c rows (c = 2, 2, 1).
-    std::vector<at::Tensor> expected_shard;
-    for (std::size_t i = 0; i < originals.size(); ++i) {
-      const auto chunks = originals[i].chunk(3);
-      const std::int64_t c = layout.rows_per_shard(static_cast<std::int64_t>(i));
-      at::Tensor slot = at::zeros({c * layout.row_numel(static_cast<std::int64_t>(i))});
-      if (rank < static_cast<int>(chunks.size())) slot.narrow(0, 0, chunks[rank].numel()).copy_(chunks[rank].reshape(-1));
-      expected_shard.push_back(slot);
-    }
-    EXPECT_TRUE(at::equal(unit.local_shard(), at::cat(expected_shard)));
+    EXPECT_TRUE(at::equal(unit.local_shard(), chunk_rows_of_rank(originals, layout, rank)));
     Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
     scheduler.wait_for_unshard(unit);
     auto views = unit.views();
@@ -250,15 +256,7 @@ TEST(Scheduler, Dim0LayoutGathersCopiesOutAndReduceScattersRows) {
     scheduler.finish_grad_sync();
     // Averaged over ranks: (1 + 2 + 3) / 3 = 2 times each use's originals.
     const std::vector<at::Tensor> averaged = {originals[0] * 4, originals[1] * 2, originals[2] * 2};
-    std::vector<at::Tensor> expected_grad;
-    for (std::size_t i = 0; i < originals.size(); ++i) {
-      const auto chunks = averaged[i].chunk(3);
-      const std::int64_t c = layout.rows_per_shard(static_cast<std::int64_t>(i));
-      at::Tensor slot = at::zeros({c * layout.row_numel(static_cast<std::int64_t>(i))});
-      if (rank < static_cast<int>(chunks.size())) slot.narrow(0, 0, chunks[rank].numel()).copy_(chunks[rank].reshape(-1));
-      expected_grad.push_back(slot);
-    }
-    EXPECT_TRUE(at::allclose(unit.local_shard().grad(), at::cat(expected_grad)));
+    EXPECT_TRUE(at::allclose(unit.local_shard().grad(), chunk_rows_of_rank(averaged, layout, rank)));
   });
 }
 
