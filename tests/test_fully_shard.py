@@ -27,7 +27,7 @@ from models import ATOL, RTOL, gpt_loss, local_slice, make_batch, make_gpt
 VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
-         "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs"]
+         "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 4 only: HSDP on a 2x2 mesh (replicate, shard), resharding after forward or not.
 HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False"]
@@ -52,6 +52,10 @@ def _build(impl: str, case: str) -> nn.Module:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if case == "bf16_params_fp32_reduce" else None,
             output_dtype=torch.float32 if case == "bf16_fp32_outputs" else None)
+    if case.startswith("fp16"):  # reduced in fp16: divided before and after the SUM, as torch's
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16)
     if case.startswith("hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -164,7 +168,13 @@ def _surface(rank: int, world_size: int) -> dict:
     for impl in ("torch", "flatshard"):
         model = _build(impl, "reshard_after_forward=None")
         state = model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        from flatshard.checkpoint import get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         out[impl] = {
+            "full_state_dict": {k: (type(v).__name__, v.clone()) for k, v in full.items()},
             "class": type(model).__name__,
             "is_fsdp_module": [isinstance(m, TorchFSDPModule) for m in (model, model.blocks[0], model.ln_f)],
             "params": [(n, type(p).__name__, isinstance(p, nn.Parameter), tuple(p.shape), str(p.placements))
@@ -181,7 +191,8 @@ def _surface(rank: int, world_size: int) -> dict:
 
 def test_a_sharded_model_looks_like_torch_fsdp2s():
     """Class name, FSDPModule instances, DTensor parameters (names, shapes, placements), state_dict (DTensors
-    of the same local values) and DTensor gradients, as torch's FSDP2 shows them, at W = 2."""
+    of the same local values), flatshard.checkpoint's full state dict (plain tensors) and DTensor gradients, as
+    torch's FSDP2 shows them, at W = 2."""
     from _dist import run_distributed
 
     for rank, out in enumerate(run_distributed(_surface, 2, timeout=120)):
@@ -189,8 +200,10 @@ def test_a_sharded_model_looks_like_torch_fsdp2s():
         for key in ("class", "is_fsdp_module", "params", "dtensor_grads"):
             assert ours[key] == theirs[key], f"rank {rank}, {key}: {ours[key]} != torch's {theirs[key]}"
         assert ours["state_dict"].keys() == theirs["state_dict"].keys()
-        for k, (kind, value) in theirs["state_dict"].items():
-            assert ours["state_dict"][k][0] == kind and torch.equal(ours["state_dict"][k][1], value), k
+        for key in ("state_dict", "full_state_dict"):  # (flatshard.checkpoint's helpers: FULL, plain tensors)
+            assert ours[key].keys() == theirs[key].keys(), key
+            for k, (kind, value) in theirs[key].items():
+                assert ours[key][k][0] == kind and torch.equal(ours[key][k][1], value), (key, k)
 
 
 def _refusals(rank: int, world_size: int) -> None:
@@ -218,6 +231,34 @@ def _refusals(rank: int, world_size: int) -> None:
     fully_shard(model)
     with pytest.raises(ValueError, match="GPT is already sharded"):
         fully_shard(model)
+    top_down = fresh()
+    fully_shard(top_down)
+    with pytest.raises(ValueError, match=r"parameter 'ln1.weight' is already sharded .* call fully_shard bottom-up"):
+        fully_shard(top_down.blocks[0])
+    import flatshard
+
+    with pytest.raises(NotImplementedError, match="was sharded with fully_shard: call its unshard"):
+        with flatshard.summon_full_params(model):
+            pass
+    with pytest.raises(NotImplementedError, match="move_shards_to_host: FSDPGPT was sharded with fully_shard"):
+        flatshard.move_shards_to_host(model)
+    mixed = fresh()
+    mixed.blocks[0] = flatshard.FullyShardedDataParallel(mixed.blocks[0])
+    fully_shard(mixed)
+    with pytest.raises(ValueError, match="unit 'blocks.0' was made by FullyShardedDataParallel and its root by "
+                                         "fully_shard; one model uses one of the two APIs"):
+        mixed(torch.zeros(2, SEQ, dtype=torch.long))
+    early = fresh()
+    fully_shard(early.blocks[0])
+    fully_shard(early)
+    with pytest.raises(RuntimeError, match="inside a sharded model whose root has not run a forward yet"):
+        early.blocks[0].unshard()
+    early(torch.zeros(2, SEQ, dtype=torch.long))
+    handle = early.blocks[0].unshard(async_op=True)
+    handle.wait()
+    assert early.blocks[0].ln1.weight.shape == (16,) and type(early.blocks[0].ln1.weight) is torch.Tensor
+    early.blocks[0].reshard()
+    assert type(early.blocks[0].ln1.weight).__name__ == "DTensor"
     with pytest.raises(NotImplementedError, match=r"FSDPModule.set_modules_to_forward_prefetch: not supported"):
         model.set_modules_to_forward_prefetch([])
 

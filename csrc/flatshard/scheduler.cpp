@@ -194,7 +194,12 @@ void Scheduler::wait_for_unshard(FlatParamHandle& unit) {
   all_gathers_.erase(it);
   unit.drop_all_gather_input();  // the all-gather stream is done with it (stream order)
   stream_wait(compute, all_gather_stream_);
-  unit.copy_out();  // dim-0 layout: see [Note: Copy-out] in flat_param.h
+  try {
+    unit.copy_out();  // dim-0 layout: see [Note: Copy-out] in flat_param.h
+  } catch (...) {
+    reshard(unit);  // (out of memory for the parameters, say): sharded again, so that a retry can run
+    throw;
+  }
   unit.set_state(ShardedState::kUnsharded);
 }
 

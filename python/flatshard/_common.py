@@ -63,12 +63,19 @@ def is_unit(module: Any) -> bool:
 
 
 def fsdp_modules(module: nn.Module, root_only: bool = False) -> list:
-    """Every unit in ``module`` (only the outermost ones with ``root_only``)."""
-    units = [m for m in module.modules() if is_unit(m)]
+    """Every unit of the class (FSDP1) in ``module`` (only the outermost ones with ``root_only``): fully_shard's
+    units are not FSDP1 modules, as torch's ``FSDP.fsdp_modules`` does not list FSDP2's either, so what serves
+    the class (its state dict helpers, summoning, moving shards) leaves them to torch's DTensor paths."""
+    units = [m for m in module.modules() if is_unit(m) and not m._unit_state.config.dim0_layout]
     if root_only:
         inner = {id(m) for u in units for m in u.modules() if m is not u}
         units = [u for u in units if id(u) not in inner]
     return units
+
+
+def fully_shard_units(module: nn.Module) -> list:
+    """Every unit ``flatshard.fully_shard`` made in ``module``."""
+    return [m for m in module.modules() if is_unit(m) and m._unit_state.config.dim0_layout]
 
 
 def in_backward() -> bool:

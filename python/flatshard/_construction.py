@@ -330,9 +330,18 @@ def has_meta(unit_modules: list[tuple[str, nn.Module]]) -> bool:
 def check_not_owned(p: torch.Tensor, fqn: str) -> None:
     """Raises if another unit already owns ``p``: tied parameters must live in one unit."""
     owner = getattr(p, OWNER_ATTR, None)
+    is_dtensor = type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
+    if owner is None and is_dtensor:
+        raise NotImplementedError(f"flatshard: parameter '{fqn}' is a DTensor (tensor parallelism?), which flatshard "
+                                  f"does not shard yet; shard plain parameters.")
     if owner is None:
         return
     owner_unit, owner_fqn = owner
+    if is_dtensor:  # fully_shard's own
+        raise ValueError(
+            f"fully_shard: parameter '{fqn}' is already sharded (as '{owner_fqn}' of the unit made by an earlier "
+            f"fully_shard call): call fully_shard bottom-up, submodules first, once per parameter (a module two "
+            f"units share goes into their common parent's unit).")
     raise ValueError(
         f"FullyShardedDataParallel: parameter '{fqn}' is the same tensor as "
         f"'{owner_fqn}', which unit '{owner_unit or '<root>'}' already owns: tied "

@@ -26,21 +26,29 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from flatshard._common import OWNER_ATTR
+
 if TYPE_CHECKING:
     from flatshard._state import UnitState
+
+
+def _rows(s: UnitState) -> list[tuple[int, int, list[int]]]:
+    """(start, numel, local shape) of each parameter's rows in this rank's shard, read from the layout once per
+    unit (each read of a layout's list property copies the whole list)."""
+    if s.dim0_rows is None:
+        layout = s.handle.layout
+        offsets, shapes, rank = layout.offsets, layout.shapes, s.handle.rank
+        s.dim0_rows = []
+        for i, shape in enumerate(shapes):
+            rows = layout.rows_of_rank(i, rank)
+            s.dim0_rows.append((offsets[i], rows * layout.row_numel(i), [rows, *shape[1:]]))
+    return s.dim0_rows
 
 
 def local_views(s: UnitState, flat: torch.Tensor) -> list[torch.Tensor]:
     """Each parameter's rows on this rank, shaped ``(rows, *shape[1:])``, as views of ``flat`` (the local shard or
     its gradient)."""
-    layout = s.handle.layout
-    rank = s.handle.rank
-    views = []
-    for i, shape in enumerate(layout.shapes):
-        start = layout.offsets[i]
-        rows = layout.rows_of_rank(i, rank)
-        views.append(flat[start : start + rows * layout.row_numel(i)].view([rows, *shape[1:]]))
-    return views
+    return [flat[start : start + numel].view(shape) for start, numel, shape in _rows(s)]
 
 
 def _as_dtensor(s: UnitState, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
@@ -63,6 +71,8 @@ def init(s: UnitState, params: list[nn.Parameter]) -> None:
         sharded.append(nn.Parameter(_as_dtensor(s, local, list(p.shape)), requires_grad=p.requires_grad))
     for m, attr, index in s.param_slots:
         m._parameters[attr] = sharded[index]
+    for p, fqn in zip(sharded, s.param_names):  # (an outer fully_shard must not take them again)
+        setattr(p, OWNER_ATTR, (s.name, fqn))
     s.orig_params = sharded
     s.orig_grad_seen = [False] * len(sharded)
     assert layout.kind.name == "DIM0"

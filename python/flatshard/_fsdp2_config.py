@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard._config import UnitConfig
+from flatshard._mixed_precision import gradient_divide_factors
 from flatshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
 
@@ -84,6 +85,13 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
     # None: True, and the root keeps its parameters after forward (the runtime never reshards the root there).
     reshard = reshard_after_forward is not False
+    # FSDP2 averages over every data-parallel rank: in fp32 and bf16 the SUMs, then one division (ReduceOp.AVG);
+    # in other dtypes (fp16) divided before and after the SUM, so that it neither overflows nor underflows.
+    mp = _mixed_precision(mp_policy)
+    if mp is not None and mp.reduce_dtype not in (torch.float32, torch.bfloat16):
+        predivide, postdivide = gradient_divide_factors(world_size * replicas)
+    else:
+        predivide, postdivide = 1.0, float(world_size * replicas)
     strategies = ((ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD) if replicate_group is None else
                   (ShardingStrategy._HYBRID_SHARD_ZERO2, ShardingStrategy.HYBRID_SHARD))
     return UnitConfig(
@@ -94,14 +102,13 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         sharding_strategy=strategies[reshard],
         shard_factor=world_size,
         reshard_after_forward=reshard,
-        # FSDP2 averages over every data-parallel rank (ReduceOp.AVG): the SUMs, then one division.
-        predivide=1.0,
-        postdivide=float(world_size * replicas),
+        predivide=predivide,
+        postdivide=postdivide,
         # FSDP2's implicit prefetch: in backward, the next unit's all-gather before this one's reduce-scatter.
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=False,
         limit_all_gathers=True,
-        mixed_precision=_mixed_precision(mp_policy),
+        mixed_precision=mp,
         offload_params=False,
         use_orig_params=True,
         device_id=_mesh_device(mesh),

@@ -51,6 +51,9 @@ def summon_full_params(
     """See ``FullyShardedDataParallel.summon_full_params`` and [Note: Summoning]. ``guard_phase``: how
     the rank-divergence guard names the call (None: the caller ran the guard). ``beyond_torch``: allow
     the combinations torch's FSDP1 refuses (see ``check_as_torch``)."""
+    if is_unit(module) and module._unit_state.config.dim0_layout:
+        raise NotImplementedError(f"summon_full_params is FullyShardedDataParallel's; {type(module).__name__} was "
+                                  f"sharded with fully_shard: call its unshard() and reshard(), as with torch's FSDP2.")
     tops = [module] if is_unit(module) else fsdp_modules(module, root_only=True)
     for top in tops:
         if top._unit_state.is_root is None:

@@ -26,17 +26,18 @@ for i > 0, a list of modules, and the FSDPModule methods listed in ``_NOT_YET``.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 
 from flatshard import _construction, _dtensor_params, _fsdp2_config, _runtime
 from flatshard._common import is_unit
 from flatshard._mixed_precision import cast_floating
-from flatshard._state import UnitState
+from flatshard._state import TrainingState, UnitState
 
 __all__ = ["FSDPModule", "fully_shard"]
 
@@ -65,10 +66,15 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
     module.__class__ = _fsdp_class(type(module))
+    _UNITS.add(module)
     return module
 
 
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    stale = module._unit_state.forward_call
+    if stale is not None:  # the last forward ended by a BaseException (KeyboardInterrupt), which skips the hook
+        module._unit_state.forward_call = None
+        _runtime.end_forward(module, stale, None, raised=True)
     try:
         args, kwargs, call = _runtime.begin_forward(module, args, kwargs)
     except BaseException as error:
@@ -95,6 +101,9 @@ def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any
         output = cast_floating(s.config.output_dtype, output)
     return output
 
+
+# Every module fully_shard made a unit, weakly: how unshard() finds a module's root before the first forward.
+_UNITS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -137,14 +146,19 @@ class FSDPModule(TorchFSDPModule):
         if s.handle is not None and s.root is not None:
             _runtime.reshard(s)
 
-    def unshard(self, async_op: bool = False) -> None:
-        """All-gathers this module's parameters; flatshard waits at once (``async_op`` returns no handle)."""
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gathers this module's parameters; flatshard waits at once (with ``async_op``, the handle's
+        ``wait()`` has nothing left to wait for)."""
         s = self._unit_state
         if s.is_root is None:
+            if any(m is not self and any(c is self for c in m.modules()) for m in _UNITS):
+                raise RuntimeError(f"FSDPModule.unshard: {type(self).__name__} is inside a sharded model whose root "
+                                   f"has not run a forward yet; run the root's forward first (flatshard sets up the "
+                                   f"model's runtime there).")
             _runtime.lazy_init(self)
         if s.handle is not None:
             _runtime.set_views(s, s.root.scheduler.wait_for_unshard(s.handle, None, views=True))
-        return None
+        return UnshardHandle() if async_op else None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: gradients accumulate unsharded, unreduced, until a backward with it True (FSDP2's no_sync)."""
@@ -156,9 +170,21 @@ class FSDPModule(TorchFSDPModule):
         """flatshard ends every backward the same way: nothing to change."""
 
     def reset_iter_state(self) -> None:
-        s = self._unit_state
-        if s.root is not None and s.root.final_callback_queued:
-            _runtime.abort_backward(s.root)
+        """After a forward or backward that raised: every unit of this root back to idle and sharded, its
+        gradients of the failed iteration dropped (call it on the root)."""
+        root = self._unit_state.root
+        if root is None:
+            return
+        if root.final_callback_queued:
+            _runtime.abort_backward(root)
+        for unit in root.units:
+            us = unit._unit_state
+            us.forward_call = None
+            if us.training_state is not TrainingState.IDLE:
+                us.switch("reset")
+            if us.handle is not None:
+                _runtime.reshard(us)
+        root.in_iteration = False
 
     def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
         """``to_empty``, ``.to``, ``.float()``: applied, then every unit's parameters put back onto its shard (see

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from flatshard import _C, _orig_params
-from flatshard._common import fsdp_modules
+from flatshard._common import fsdp_modules, fully_shard_units
 from flatshard._runtime import after_shard_cast, reshard
 from flatshard._state import UnitState
 
@@ -42,6 +42,9 @@ def move_shards_to_device(model: nn.Module, optimizer: torch.optim.Optimizer | N
 
 def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to_device: bool, non_blocking: bool) -> None:
     units = fsdp_modules(model)
+    if not units and fully_shard_units(model):
+        raise NotImplementedError(f"flatshard.move_shards_to_{'device' if to_device else 'host'}: {type(model).__name__} "
+                                  f"was sharded with fully_shard, which this does not support yet (the class does).")
     if not units:
         raise ValueError(f"flatshard.move_shards_to_{'device' if to_device else 'host'}: {type(model).__name__} has no "
                          f"FullyShardedDataParallel units; wrap it first (or move it with .to()).")

@@ -98,7 +98,9 @@ def use_grad_views(s: UnitState) -> None:
     if flat_grad is None:
         return
     as_dtensor = s.config.dim0_layout
-    for index, view in _grad_targets(s, flat_grad):  # (a parameter with no element here keeps None, as torch)
+    # (The class's: a parameter with no element on this rank keeps None, as torch's FSDP1; fully_shard's get a
+    # DTensor with an empty local tensor, as torch's FSDP2.)
+    for index, view in _grad_targets(s, flat_grad):
         p = params[index]
         if p.requires_grad and s.orig_grad_seen[index]:
             set_grad(p, _dtensor_params.grad_of(p, view) if as_dtensor else view)

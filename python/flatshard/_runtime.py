@@ -154,6 +154,11 @@ def _units_under(root: FullyShardedDataParallel) -> list[tuple[str, FullySharded
     top = root._unit_state
     for name, unit in units:
         s = unit._unit_state
+        if s.config.dim0_layout != top.config.dim0_layout:
+            raise ValueError(
+                f"flatshard: unit '{name}' was made by {'fully_shard' if s.config.dim0_layout else 'FullyShardedDataParallel'}"
+                f" and its root by {'fully_shard' if top.config.dim0_layout else 'FullyShardedDataParallel'}; one "
+                f"model uses one of the two APIs.")
         for what, mine, roots in (("device_id", s.device, top.device),
                                   ("limit_all_gathers", s.config.limit_all_gathers, top.config.limit_all_gathers)):
             if mine != roots:

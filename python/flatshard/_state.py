@@ -119,6 +119,7 @@ class UnitState:
         "placeholders_set",  # whether the modules hold the storage-less placeholders
         "sync_gradients",  # False inside no_sync()
         "forward_call",  # fully_shard: what its forward pre-hook hands its forward hook (_runtime.ForwardCall)
+        "dim0_rows",  # fully_shard: where each parameter's rows are in the shard (_dtensor_params._rows)
         "holds_unsharded",  # inside no_sync(keep_parameters_unsharded=True): nothing reshards (see [Note: no_sync])
         "forward_input_dtype",  # what forward inputs are cast to, or None (set at lazy init)
         # --- set by the user between steps: the communication hook, state dicts
@@ -158,6 +159,7 @@ class UnitState:
         self.placeholders_set = True
         self.sync_gradients = True
         self.forward_call: Any = None
+        self.dim0_rows: list | None = None
         self.holds_unsharded = False
         self.forward_input_dtype: torch.dtype | None = None
         self.comm_hook: Callable | None = None
