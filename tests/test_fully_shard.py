@@ -363,3 +363,26 @@ def test_a_forward_that_raises_leaves_the_model_usable():
 
     for rank, (got, want, grads_equal) in enumerate(run_distributed(_forward_raises_then_trains, 2, timeout=120)):
         assert got == want and grads_equal, f"rank {rank}: loss {got} vs a fresh model's {want}, grads {grads_equal}"
+
+
+def _load_with_assign(rank: int, world_size: int) -> tuple[list[float], list[float]]:
+    """A trained model's state dict (DTensors) loaded with ``assign=True`` into another model: it goes on as the
+    trained one does (the new parameters' values reach the shards)."""
+    trained = _build("flatshard", "reshard_after_forward=None")
+    opt = torch.optim.SGD(trained.parameters(), lr=LR)
+    _steps(trained, opt, range(2), rank, world_size)
+    state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+    went_on = _steps(trained, opt, range(2, 4), rank, world_size)
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        model = _build("flatshard", "reshard_after_forward=None")
+    model.load_state_dict(state, assign=True)
+    resumed = _steps(model, torch.optim.SGD(model.parameters(), lr=LR), range(2, 4), rank, world_size)
+    return went_on, resumed
+
+
+def test_load_state_dict_with_assign_reaches_the_shards():
+    from _dist import run_distributed
+
+    for rank, (went_on, resumed) in enumerate(run_distributed(_load_with_assign, 2, timeout=120)):
+        assert resumed == went_on, f"rank {rank}"

@@ -99,16 +99,33 @@ def local_of(grad: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def rebind(s: UnitState) -> None:
-    """After ``_apply`` replaced parameters' data: the values into the shard, the parameters back onto it."""
-    for name, p, view in zip(s.param_names, s.orig_params, local_views(s, s.flat_param.detach())):
+    """After ``_apply`` replaced parameters' data, or ``load_state_dict(assign=True)`` the parameters themselves:
+    the values into the shard, the parameters back onto it (and back on their modules)."""
+    views = local_views(s, s.flat_param.detach())
+    for m, attr, index in s.param_slots:
+        current, ours = m._parameters.get(attr), s.orig_params[index]
+        if current is not None and current is not ours:  # assign=True put a new parameter there
+            _copy_into(s.param_names[index], _local_of_param(current), views[index])
+            m._parameters[attr] = ours
+    for name, p, view in zip(s.param_names, s.orig_params, views):
         local = p.to_local()
         if local.data_ptr() == view.data_ptr() and local.shape == view.shape:
             continue
-        if local.device != view.device or local.dtype != view.dtype or local.shape != view.shape:
-            raise NotImplementedError(
-                f"fully_shard: parameter '{name}' was moved or cast to {local.dtype} on {local.device} after "
-                f"fully_shard (it is {view.dtype} on {view.device}); flatshard's fully_shard does not support that "
-                f"yet: move or cast the module before fully_shard (to_empty on the same device is fine).")
-        view.copy_(local)
+        _copy_into(name, local, view)
         # (A DTensor's local tensor is not what ``.data =`` sets: swapped whole, as nn.Module._apply does.)
         torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, view, list(p.shape)), requires_grad=p.requires_grad))
+
+
+def _local_of_param(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _copy_into(name: str, local: torch.Tensor, view: torch.Tensor) -> None:
+    """A parameter's new values (this rank's rows) into its rows of the shard; a move or cast is refused."""
+    if local.device != view.device or local.dtype != view.dtype or local.shape != view.shape:
+        raise NotImplementedError(
+            f"fully_shard: parameter '{name}' was replaced by {local.dtype} rows of shape {tuple(local.shape)} on "
+            f"{local.device} after fully_shard (its rows here are {view.dtype} {tuple(view.shape)} on {view.device}); "
+            f"flatshard's fully_shard does not support moving or casting it yet: move or cast the module before "
+            f"fully_shard (to_empty on the same device is fine), and load DTensor state dicts.")
+    view.copy_(local)

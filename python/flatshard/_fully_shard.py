@@ -65,6 +65,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         _runtime.set_views(state, state.placeholders, placeholders=True)
     module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
+    # load_state_dict(assign=True) replaces the parameters: their values go into the shard (see rebind).
+    module.register_load_state_dict_post_hook(_after_load)
     module.__class__ = _fsdp_class(type(module))
     _UNITS.add(module)
     return module
@@ -104,6 +106,11 @@ def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any
 
 # Every module fully_shard made a unit, weakly: how unshard() finds a module's root before the first forward.
 _UNITS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+def _after_load(module: nn.Module, _incompatible_keys: Any) -> None:
+    if module._unit_state.handle is not None:
+        _dtensor_params.rebind(module._unit_state)
+
 
 _FSDP_CLASSES: dict[type, type] = {}
 
