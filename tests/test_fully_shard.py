@@ -27,7 +27,8 @@ from models import ATOL, RTOL, gpt_loss, local_slice, make_batch, make_gpt
 VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
-         "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce"]
+         "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
+         "bf16_params_fp32_reduce_no_gradient_sync"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -56,7 +57,7 @@ def _build(impl: str, case: str) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if case == "bf16_params_fp32_reduce" else None,
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if "fp32_reduce" in case else None,
             output_dtype=torch.float32 if case == "bf16_fp32_outputs" else None)
     if case.startswith("fp16"):  # reduced in fp16: divided before and after the SUM, as torch's
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -102,7 +103,7 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
     losses, grads = [], []
     for step in range(STEPS):
         tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size)
-        if case == "no_gradient_sync":  # two micro-batches, the first without reduction
+        if case.endswith("no_gradient_sync"):  # two micro-batches, the first without reduction
             model.set_requires_gradient_sync(False)
             loss = gpt_loss(model, tokens[:, :5], targets[:, :5]) / 2
             loss.backward()

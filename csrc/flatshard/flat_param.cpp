@@ -281,7 +281,10 @@ void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
     return;
   }
   if (!unsharded_grad_.defined()) {
-    unsharded_grad_ = flatten(grads, layout_, at::TensorOptions().device(compute_device_).dtype(param_dtype_));
+    // The dim-0 layout (FSDP2's) accumulates in reduce_dtype, as torch's FSDP2 does across micro-batches; the flat
+    // layout in param_dtype, as torch's FSDP1 (see [Note: Mixed precision and offload]).
+    const c10::ScalarType dtype = layout_.kind() == LayoutKind::kDim0 ? reduce_dtype_ : param_dtype_;
+    unsharded_grad_ = flatten(grads, layout_, at::TensorOptions().device(compute_device_).dtype(dtype));
     return;
   }
   for (std::int64_t i = 0; i < layout_.num_params(); ++i) {

@@ -25,7 +25,8 @@
 // bytes into a param_dtype unsharded buffer. A unit of shard factor 1 then
 // needs an unsharded buffer of its own as well, filled by that one copy.
 // Gradients accumulate unsharded in param_dtype, as torch's FSDP1 does (several
-// uses of a unit in one backward, or no_sync() micro-batches), are cast to
+// uses of a unit in one backward, or no_sync() micro-batches; with the dim-0 layout
+// in reduce_dtype, as torch's FSDP2 does), are cast to
 // `reduce_dtype` when handed to the reduction and reduced in it (divided before
 // and after the SUM by torch FSDP1's factors, so that fp16 sums neither
 // overflow nor underflow; for a power-of-two world size the scaling is exact), then accumulated into the shard's
