@@ -189,6 +189,13 @@ def _surface(rank: int, world_size: int) -> dict:
             "dtensor_grads": None,
         }
         loss = gpt_loss(model, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB), rank, world_size))
+        if impl == "flatshard":  # None: the root keeps its parameters after forward; True, given: it frees them
+            out["root_kept"] = model._unit_state.handle.has_unsharded_storage()
+            explicit = _build("flatshard", "reshard_after_forward=True")
+            explicit_loss = gpt_loss(explicit, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB), rank,
+                                                             world_size))
+            out["root_freed"] = not explicit._unit_state.handle.has_unsharded_storage()
+            explicit_loss.backward()
         loss.backward()
         out[impl]["dtensor_grads"] = [isinstance(p.grad, DTensor) and p.grad.placements == p.placements
                                       for p in model.parameters()]
@@ -198,10 +205,13 @@ def _surface(rank: int, world_size: int) -> dict:
 def test_a_sharded_model_looks_like_torch_fsdp2s():
     """Class name, FSDPModule instances, DTensor parameters (names, shapes, placements), state_dict (DTensors
     of the same local values), flatshard.checkpoint's full state dict (plain tensors) and DTensor gradients, as
-    torch's FSDP2 shows them, at W = 2."""
+    torch's FSDP2 shows them, at W = 2; the root's parameters after forward kept with reshard_after_forward=None,
+    freed with an explicit True, as torch's."""
     from _dist import run_distributed
 
     for rank, out in enumerate(run_distributed(_surface, 2, timeout=120)):
+        assert out["root_kept"], f"rank {rank}: reshard_after_forward=None resharded the root after its forward"
+        assert out["root_freed"], f"rank {rank}: reshard_after_forward=True kept the root's parameters after forward"
         ours, theirs = out["flatshard"], out["torch"]
         for key in ("class", "is_fsdp_module", "params", "dtensor_grads"):
             assert ours[key] == theirs[key], f"rank {rank}, {key}: {ours[key]} != torch's {theirs[key]}"

@@ -83,7 +83,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
     world_size = dist.get_world_size(group)
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-    # None: True, and the root keeps its parameters after forward (the runtime never reshards the root there).
+    # None: True, and the root keeps its parameters after forward (its backward starts right away).
     reshard = reshard_after_forward is not False
     # FSDP2 averages over every data-parallel rank: in fp32 and bf16 the SUMs, then one division (ReduceOp.AVG);
     # in other dtypes (fp16) divided before and after the SUM, so that it neither overflows nor underflows.
@@ -123,4 +123,6 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         # initialize after sharding: to_empty, then their own in-place init), not reset_parameters().
         meta_to_empty=True,
         output_dtype=mp_policy.output_dtype,
+        # Given explicitly (not None), True holds for the root as well, as torch's: freed after its forward.
+        root_reshards_after_forward=reshard_after_forward is True,
     )

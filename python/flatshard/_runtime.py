@@ -411,7 +411,8 @@ def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(frozen_post_backward, s),
                                                           mode="all")
-    if s.handle is not None and (not grad_enabled or (_frees_after_forward(s) and not s.is_root)):
+    if s.handle is not None and (not grad_enabled or (_frees_after_forward(s)
+                                                      and (not s.is_root or s.config.root_reshards_after_forward))):
         reshard(s)
     if not grad_enabled:
         if s.is_root:
