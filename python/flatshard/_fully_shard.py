@@ -76,25 +76,28 @@ def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     stale = module._unit_state.forward_call
     if stale is not None:  # the last forward ended by a BaseException (KeyboardInterrupt), which skips the hook
         module._unit_state.forward_call = None
-        _runtime.end_forward(module, stale, None, raised=True)
+        _runtime.end_forward(module, stale[0], None, raised=True)
     try:
         args, kwargs, call = _runtime.begin_forward(module, args, kwargs)
     except BaseException as error:
         _runtime.forward_raised(module, error)
         raise
-    module._unit_state.forward_call = call
+    # (with the exception being handled where the module is called, if any: see _post_forward_hook)
+    module._unit_state.forward_call = (call, sys.exc_info()[1])
     return args, kwargs
 
 
 def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     s = module._unit_state
-    call, s.forward_call = s.forward_call, None
-    if call is None:  # the pre-forward hook raised: nothing to end
+    started, s.forward_call = s.forward_call, None
+    if started is None:  # the pre-forward hook raised: nothing to end
         return output
-    # always_call: when the module raised, this hook runs in _call_impl's handler with no output; an output
-    # means the forward returned, also inside a caller's own except block.
-    error = sys.exc_info()[1] if output is None else None
-    if error is not None:
+    call, handled_by_caller = started
+    # always_call: when the module raised, this hook runs in _call_impl's handler, with that exception being
+    # handled; one the caller was already handling when it called the module (a retry in an except block) is not
+    # the module's.
+    error = sys.exc_info()[1]
+    if error is not None and error is not handled_by_caller:
         _runtime.end_forward(module, call, None, raised=True)
         _runtime.forward_raised(module, error)
         return None

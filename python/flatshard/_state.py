@@ -118,7 +118,8 @@ class UnitState:
         "uses",  # live uses of the parameters by autograd (see _runtime.Use)
         "placeholders_set",  # whether the modules hold the storage-less placeholders
         "sync_gradients",  # False inside no_sync()
-        "forward_call",  # fully_shard: what its forward pre-hook hands its forward hook (_runtime.ForwardCall)
+        "forward_call",  # fully_shard: what its forward pre-hook hands its forward hook: (_runtime.ForwardCall,
+        # the exception the caller was handling then, or None)
         "dim0_rows",  # fully_shard: where each parameter's rows are in the shard (_dtensor_params._rows)
         "holds_unsharded",  # inside no_sync(keep_parameters_unsharded=True): nothing reshards (see [Note: no_sync])
         "forward_input_dtype",  # what forward inputs are cast to, or None (set at lazy init)
