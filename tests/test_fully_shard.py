@@ -275,6 +275,11 @@ def _refusals(rank: int, world_size: int) -> None:
     assert early.blocks[0].ln1.weight.shape == (16,) and type(early.blocks[0].ln1.weight) is torch.Tensor
     early.blocks[0].reshard()
     assert type(early.blocks[0].ln1.weight).__name__ == "DTensor"
+    before = [p.to_local().clone() for p in early.parameters()]
+    with pytest.raises(NotImplementedError, match=r"moving or casting FSDPGPT to torch.float16 on cpu after fully_shard"):
+        early.half()
+    assert all(p.dtype == torch.float32 and torch.equal(p.to_local(), b) for p, b in zip(early.parameters(), before))
+    early(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()  # (still trains)
     with pytest.raises(NotImplementedError, match=r"FSDPModule.set_modules_to_forward_prefetch: not supported"):
         model.set_modules_to_forward_prefetch([])
 

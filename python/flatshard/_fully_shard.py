@@ -200,6 +200,16 @@ class FSDPModule(TorchFSDPModule):
         """``to_empty``, ``.to``, ``.float()``: applied, then every unit's parameters put back onto its shard (see
         [Note: DTensor parameters] in _dtensor_params.py)."""
         self.reshard()
+        for m in self.modules() if recurse else [self]:  # a move or cast is refused before anything changes
+            s = m._unit_state if is_unit(m) else None
+            if s is not None and s.handle is not None and s.config.dim0_layout:
+                shard = s.flat_param.detach()
+                probe = fn(shard.new_empty(0))
+                if probe.device != shard.device or probe.dtype != shard.dtype:
+                    raise NotImplementedError(
+                        f"fully_shard: moving or casting {type(m).__name__} to {probe.dtype} on {probe.device} after "
+                        f"fully_shard is not supported by flatshard yet (its shards are {shard.dtype} on "
+                        f"{shard.device}); move or cast the module before fully_shard.")
         out = super(TorchFSDPModule, self)._apply(fn, recurse)  # (torch's FSDPModule._apply reads torch's state)
         for m in self.modules() if recurse else [self]:
             if is_unit(m) and m._unit_state.handle is not None and m._unit_state.config.dim0_layout:
