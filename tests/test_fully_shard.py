@@ -241,6 +241,8 @@ def _refusals(rank: int, world_size: int) -> None:
     for kwargs, message in refusals:
         with pytest.raises(NotImplementedError, match=message):
             fully_shard(fresh(), **kwargs)
+    with pytest.raises(NotImplementedError, match="dp_mesh_dims .* is not supported"):
+        fully_shard(fresh(), dp_mesh_dims=object())
     with pytest.raises(NotImplementedError, match="a list of modules"):
         fully_shard([fresh().blocks[0], fresh().ln_f])
     model = fresh()

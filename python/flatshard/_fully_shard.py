@@ -45,9 +45,12 @@ __all__ = ["FSDPModule", "fully_shard"]
 def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable | None = None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None) -> nn.Module:
     """torch's ``torch.distributed.fsdp.fully_shard`` on flatshard's runtime (see [Note: fully_shard] and
     [Note: fully_shard's coverage]). Returns ``module``, now an ``FSDPModule``."""
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard: dp_mesh_dims (an SPMD mesh with tensor or expert parallelism) is not "
+                                  "supported by flatshard yet; pass a 1-D mesh, or HSDP's 2-D one.")
     if isinstance(module, (list, tuple)):
         raise NotImplementedError("fully_shard: a list of modules (one group for several) is not supported by "
                                   "flatshard yet; call fully_shard on each, or on their common parent.")
