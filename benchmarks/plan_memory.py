@@ -2,7 +2,8 @@
 
 Runs tests/scripts/plan_memory_cases.py (W = 1, 2, 4 over gloo; rank 3 of W = 8, 64, 1024 under
 torch's fake process group) with the malloc counter preloaded and prints one line per case:
-planned / measured peak per rank. tests/test_plan_memory.py checks the same numbers.
+planned / measured peak per rank. tests/test_plan_memory.py checks a subset of these cases (gloo at W = 2;
+the fake group at W = 1, 8, 1024) with the same tolerances.
 Run: python benchmarks/plan_memory.py
 """
 import json

@@ -13,8 +13,8 @@ precision, CPU offload), one rank:
 - plans the same wrap on the meta device: ``combined_peak`` (one memory holding device and host:
   a CPU run) against the measured peak.
 ``python plan_memory_cases.py gloo 1 2 4`` runs W = 1, 2, 4 over gloo (every rank's line);
-``python plan_memory_cases.py fake 8 64 1024`` runs one process as rank 3 of W-rank jobs under torch's
-fake process group. One JSON line per case and rank.
+``python plan_memory_cases.py fake 1 8 1024`` runs one process as rank 3 (rank 0 at W = 1) of W-rank jobs
+under torch's fake process group. One JSON line per case and rank.
 """
 
 import gc
@@ -33,7 +33,8 @@ VARIANTS = ("plain", "no_sync", "bf16", "offload")
 GLOBAL_BATCH = 8
 # The peak of a step depends on how the ranks' collectives happen to overlap their compute (gloo's all-gather
 # holds a copy of its output while it runs): the highest of three steps is the one the plan's worst case meets.
-MEASURED_STEPS = 3
+# Under the fake group (no threads, nothing overlaps) every step after the first peaks alike: one is measured.
+MEASURED_STEPS = {"gloo": 3, "fake": 1}
 
 
 def _gpt(device=None):
@@ -96,7 +97,7 @@ def measure_case(rank, world_size, strategy_name, variant, simulated=False):
     gc.collect()
     held = counter.in_use() - before
     counter.reset_peak()
-    for _ in range(MEASURED_STEPS):
+    for _ in range(MEASURED_STEPS["fake" if simulated else "gloo"]):
         step(model, opt)
     measured = counter.peak() - before
     del model, opt
@@ -104,7 +105,7 @@ def measure_case(rank, world_size, strategy_name, variant, simulated=False):
     planned = flatshard.plan(_gpt("meta"), world_size, auto_wrap_policy=ModuleWrapPolicy({Block}),
                              sharding_strategy=strategy, mixed_precision=mixed, cpu_offload=offload,
                              no_sync=variant == "no_sync", activation_bytes=activations, optimizer_foreach=False,
-                             ranks_per_host=min(2, world_size) if not simulated else 8, backend="fake" if simulated else "gloo", device="cpu")
+                             ranks_per_host=min(2 if not simulated else 8, world_size), backend="fake" if simulated else "gloo", device="cpu")
     memory = planned.memory
     return {"case": f"W={world_size} {strategy_name} {variant}", "rank": rank, "measured": measured,
             "planned": memory.combined_peak, "held_between_steps": held,
@@ -142,13 +143,16 @@ def main(argv):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    os.environ["LOCAL_WORLD_SIZE"] = "8"
-    _freeze()
-    for world_size in sizes:
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=world_size)
+    for i, world_size in enumerate(sizes):
+        os.environ["LOCAL_WORLD_SIZE"] = str(min(8, world_size))
+        rank = 3 if world_size > 3 else 0
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        if i == 0:  # (as for the gloo ranks)
+            measure_case(rank, world_size, STRATEGIES[0], VARIANTS[0], simulated=True)
+            _freeze()
         for s in STRATEGIES:
             for v in VARIANTS:
-                print(json.dumps(measure_case(3, world_size, s, v, simulated=True)), flush=True)
+                print(json.dumps(measure_case(rank, world_size, s, v, simulated=True)), flush=True)
         dist.destroy_process_group()
 
 
