@@ -8,7 +8,7 @@ unit's counted input bytes per kind with ``flatshard.plan`` of the same model bu
 meta device: equal, byte for byte. The process group's totals (``_C.collective_counts``)
 must equal the sum over units. The same under torch's fake process group at W = 8, 64, 1024
 (tests/scripts/plan_under_fake_pg.py). ``python -m flatshard.plan`` on Llama-3-8B- and 70B-shaped
-configs is checked against totals computed by hand here, and must run in under 10 s.
+configs is checked against totals computed by hand here, and must not build the model (its peak memory).
 """
 
 from __future__ import annotations
@@ -122,50 +122,75 @@ LLAMAS = {  # name: (vocab, hidden, intermediate, layers, heads, kv_heads)
 
 
 FAKE_PG_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "plan_under_fake_pg.py")
+CLI_RUNS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "plan_cli_runs.py")
+SMALL_LLAMA = ("small", 1000, 128, 256, 4, 4, 2)
 
 
-@pytest.fixture(scope="module")
+@dataclasses.dataclass
+class _Child:
+    process: subprocess.Popen
+    where: object  # the run's directory (a pathlib.Path)
+    usage: object = None  # its resource usage once it ended (os.wait4's, its own peak memory)
+
+    def wait(self, timeout):
+        """Waits for the child (at most ``timeout`` s: a hang's bound), once."""
+        if self.usage is None:
+            deadline = time.monotonic() + timeout
+            while True:
+                pid, status, usage = os.wait4(self.process.pid, os.WNOHANG)
+                if pid:
+                    self.process.returncode = os.waitstatus_to_exitcode(status)
+                    self.usage = usage
+                    break
+                if time.monotonic() > deadline:
+                    self.process.kill()
+                    raise AssertionError(f"{self.process.args} did not end within {timeout} s")
+                time.sleep(0.05)
+        err = (self.where / "stderr").read_text()
+        assert self.process.returncode == 0, err[-4000:]
+        return self
+
+
+@pytest.fixture(scope="module", autouse=True)
 def separate_runs(tmp_path_factory):
-    """The module's runs of their own interpreter (the CLI on each Llama's shapes and with --plot, the fake process
-    group's script), started together at the first test that asks: each is mostly its imports, on one core.
-    {name: (child, stdout path, stderr path, workdir)}; a test waits for its own."""
-    runs = {}
+    """The module's runs of an interpreter of their own, started together at the module's first test (they go on
+    beside the tests that run in this process or at W = 1, which leave a core free): the CLI on
+    each Llama's shapes, with --plot, and on a small Llama with and without a batch (one interpreter for all,
+    tests/scripts/plan_cli_runs.py: the CLI is mostly its imports); the fake process group's script.
+    {"cli": _Child, "fake_pg": _Child}; a test waits for the one it reads."""
+    children = {}
 
     def start(name, argv):
         where = tmp_path_factory.mktemp(name)
-        out, err = where / "out", where / "err"
-        with open(out, "w") as o, open(err, "w") as e:
-            runs[name] = (subprocess.Popen(argv(where), stdout=o, stderr=e), out, err, where)
+        with open(where / "stdout", "w") as o, open(where / "stderr", "w") as e:
+            children[name] = _Child(subprocess.Popen(argv(where), stdout=o, stderr=e), where)
 
-    if importlib.util.find_spec("transformers") is not None:
-        for name, shape in LLAMAS.items():
-            start(name, lambda where, name=name, shape=shape: [
-                sys.executable, "-m", "flatshard.plan", "--hf-config", _llama_config(where, name, *shape),
-                "--world-size", "64", "--mixed-precision", "bf16", "--json"])
-    start("plot", lambda where: [sys.executable, "-m", "flatshard.plan", "--hf-config",
-                                 _llama_config(where, "small", 1000, 256, 512, 4, 8, 4), "--world-size", "16",
-                                 "--plot", str(where / "plan.png")])
+    def cli_runs(where):
+        runs = {"plot": ["--hf-config", _llama_config(where, "plot", 1000, 256, 512, 4, 8, 4), "--world-size", "16",
+                         "--plot", str(where / "plan.png")]}
+        if importlib.util.find_spec("transformers") is not None:
+            runs.update({name: ["--hf-config", _llama_config(where, name, *shape), "--world-size", "64",
+                                "--mixed-precision", "bf16", "--json"] for name, shape in LLAMAS.items()})
+            small = ["--hf-config", _llama_config(where, *SMALL_LLAMA), "--world-size", "8"]
+            runs.update(measured=[*small, "--batch-size", "2", "--seq-len", "64", "--json"], unmeasured=small)
+        (where / "runs.json").write_text(json.dumps(runs))
+        return [sys.executable, CLI_RUNS_SCRIPT, str(where / "runs.json")]
+
+    start("cli", cli_runs)
     start("fake_pg", lambda where: [sys.executable, FAKE_PG_SCRIPT, "8", "64", "1024"])
-    yield runs
-    for child, *_ in runs.values():
-        if child.returncode is None and child.poll() is None:
-            child.kill()
-            child.wait()
+    yield children
+    for child in children.values():
+        if child.process.returncode is None and child.process.poll() is None:
+            child.process.kill()
+            child.process.wait()
 
 
-def _finished(child, timeout):
-    """Waits for ``child`` (at most ``timeout`` s: a hang's bound); its resource usage (its own peak memory,
-    unlike subprocess.run's)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
-        if pid:
-            child.returncode = os.waitstatus_to_exitcode(status)
-            return usage
-        if time.monotonic() > deadline:
-            child.kill()
-            raise AssertionError(f"{child.args} did not end within {timeout} s")
-        time.sleep(0.05)
+def _cli(separate_runs, name):
+    """The CLI run ``name``'s stdout; asserts it exited 0."""
+    where = separate_runs["cli"].wait(600).where
+    rc, out, err = ((where / f"{name}.{suffix}").read_text() for suffix in ("rc", "out", "err"))
+    assert rc == "0", f"python -m flatshard.plan ({name}) exited {rc}:\n{err[-4000:]}"
+    return out
 
 
 @pytest.mark.parametrize("name", list(LLAMAS))
@@ -173,14 +198,11 @@ def test_cli_on_llama_shapes_matches_hand_computed_totals(name, separate_runs):
     pytest.importorskip("transformers")
     vocab, hidden, inter, layers, heads, kv = LLAMAS[name]
     world = 64
-    child, stdout, stderr, _ = separate_runs[name]
-    usage = _finished(child, 600)
-    assert child.returncode == 0, stderr.read_text()
-    # The model is never built for real (meta device): in fp32 either needs 32 GB or more (the CLI alone, imports
-    # included, peaks near 0.4 GB on a CPU build of torch).
-    peak = usage.ru_maxrss * 1024
+    got = json.loads(_cli(separate_runs, name))
+    # The model is never built for real (meta device): in fp32 either needs 32 GB or more (the interpreter that runs
+    # every CLI case, imports included, peaks near 0.5 GB on a CPU build of torch).
+    peak = separate_runs["cli"].usage.ru_maxrss * 1024
     assert peak < MAX_PLANNER_RSS, f"python -m flatshard.plan peaked at {peak / 2**20:.0f} MiB: built for real?"
-    got = json.loads(stdout.read_text())
     # By hand: a decoder layer is q, k, v, o, the MLP's three projections and two norms; the root holds the
     # embedding, the head and the final norm.
     kv_dim = hidden // heads * kv
@@ -203,11 +225,9 @@ def test_cli_on_llama_shapes_matches_hand_computed_totals(name, separate_runs):
 def test_planned_bytes_equal_counted_bytes_under_the_fake_process_group(separate_runs):
     """One process as rank 3 of W = 8, 64, 1024 (torch's fake process group; the rank guard and the exit drain
     run as they do for real, see [Note: The guard under a fake process group]); hybrid with shard groups of 8."""
-    child, stdout, stderr, _ = separate_runs["fake_pg"]
-    _finished(child, 600)
-    assert child.returncode == 0, stderr.read_text()[-3000:]
-    cases = [json.loads(line) for line in stdout.read_text().splitlines() if line.startswith("{")]
-    assert len(cases) == 3 * 4 * 2, stdout.read_text()[-2000:]
+    stdout = (separate_runs["fake_pg"].wait(600).where / "stdout").read_text()
+    cases = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert len(cases) == 3 * 4 * 2, stdout[-2000:]
     for case in cases:
         assert case["counted"] and case["planned"] == case["counted"], (
             f"{case['case']}: planned {case['planned']} vs counted {case['counted']}")
@@ -215,14 +235,12 @@ def test_planned_bytes_equal_counted_bytes_under_the_fake_process_group(separate
 
 def test_cli_plot(separate_runs):
     """``--plot`` writes the figure (memory per rank against world size, bytes per unit)."""
-    child, _, stderr, where = separate_runs["plot"]
-    _finished(child, 600)
-    assert child.returncode == 0, stderr.read_text()
-    path = where / "plan.png"
+    _cli(separate_runs, "plot")
+    path = separate_runs["cli"].where / "plan.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
-def test_measured_activations_extrapolate_from_one_and_two_layers(tmp_path):
+def test_measured_activations_extrapolate_from_one_and_two_layers(tmp_path, separate_runs):
     """The CLI's activation term (``--batch-size``/``--seq-len``: one- and two-layer models measured, extrapolated
     per layer) equals ``measure_activations`` of the whole four-layer model; the table shows it."""
     pytest.importorskip("transformers")
@@ -230,22 +248,14 @@ def test_measured_activations_extrapolate_from_one_and_two_layers(tmp_path):
 
     from flatshard.plan import measure_activations
 
-    path = _llama_config(tmp_path, "small", 1000, 128, 256, 4, 4, 2)
-    cli = [sys.executable, "-m", "flatshard.plan", "--hf-config", path, "--world-size", "8"]
-    # (The two CLI runs go on beside the direct measurement: each is mostly its imports.)
-    measured = subprocess.Popen([*cli, "--batch-size", "2", "--seq-len", "64", "--json"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    # Without a batch the term is left out, and the table says so.
-    unmeasured = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(_llama_config(tmp_path, *SMALL_LLAMA)))
     tokens = torch.randint(0, 1000, (2, 64))
     direct = measure_activations(model, lambda m: m(input_ids=tokens, labels=tokens).loss)
-    out, err = measured.communicate(timeout=120)
-    assert measured.returncode == 0, err
-    assert json.loads(out)["memory_per_rank"]["activations"] == direct
-    out, err = unmeasured.communicate(timeout=120)
-    assert "activations                not measured" in out, out + err
+    assert json.loads(_cli(separate_runs, "measured"))["memory_per_rank"]["activations"] == direct
+    # Without a batch the term is left out, and the table says so.
+    out = _cli(separate_runs, "unmeasured")
+    assert "activations                not measured" in out, out
 
 
 def test_measure_activations_errors():
