@@ -105,7 +105,8 @@ def measure_case(rank, world_size, strategy_name, variant, simulated=False):
     planned = flatshard.plan(_gpt("meta"), world_size, auto_wrap_policy=ModuleWrapPolicy({Block}),
                              sharding_strategy=strategy, mixed_precision=mixed, cpu_offload=offload,
                              no_sync=variant == "no_sync", activation_bytes=activations, optimizer_foreach=False,
-                             ranks_per_host=min(2 if not simulated else 8, world_size), backend="fake" if simulated else "gloo", device="cpu")
+                             ranks_per_host=min(8 if simulated else 2, world_size),
+                             backend="fake" if simulated else "gloo", device="cpu")
     memory = planned.memory
     return {"case": f"W={world_size} {strategy_name} {variant}", "rank": rank, "measured": measured,
             "planned": memory.combined_peak, "held_between_steps": held,
