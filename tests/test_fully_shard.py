@@ -32,12 +32,18 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
+# At W = 4 every unit's last rank holds fewer rows than the others (the position table's 1 row of 3): the cases
+# whose code or arithmetic depends on the world size beyond that (the gathers and reductions of each resharding
+# and precision path, no_sync, sharding on meta; fp16's divide factors); the rest (frozen, ignored and
+# checkpointed parameters, bf16 outputs) go through the same code at W = 2.
+W4_CASES = ["reshard_after_forward=None", "reshard_after_forward=False", "no_gradient_sync", "meta_then_to_empty",
+            "bf16_params_fp32_reduce", "fp16_params_and_reduce"]
 # At W = 4 only: HSDP on a 2x2 mesh (replicate, shard), resharding after forward or not.
 HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False"]
 
 
 def _cases_at(world_size: int) -> list[str]:
-    return {1: W1_CASES, 2: CASES, 4: CASES + HSDP_CASES}[world_size]
+    return {1: W1_CASES, 2: CASES, 4: W4_CASES + HSDP_CASES}[world_size]
 
 
 def _build(impl: str, case: str) -> nn.Module:
