@@ -65,6 +65,12 @@ if ((${#missing[@]})); then
   echo "== installing ${missing[*]}"
   "$PY" -m pip install -q "${missing[@]}"
 fi
+# pytest-xdist runs the tests in two processes (see [Note: Two test processes] in scripts/test.sh): faster, not
+# needed, so a machine without network (the GPU machine) goes on without it.
+if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]] && ! "$PY" -c "import importlib.metadata as m; m.version('pytest-xdist')" 2>/dev/null; then
+  echo "== installing pytest-xdist"
+  "$PY" -m pip install -q "pytest-xdist>=3.5" || echo "== pytest-xdist could not be installed: the tests run in one process"
+fi
 if [[ "${FLATSHARD_NEEDS_TEST_DEPS:-0}" == 1 ]] && ! "$PY" -c "import importlib.metadata as m; m.version('verl')" 2>/dev/null; then
   echo "== installing verl (--no-deps: its FSDP utilities only)"
   "$PY" -m pip install -q --no-deps "verl>=0.5"
