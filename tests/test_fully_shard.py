@@ -8,6 +8,11 @@ tensor). Results are bit-equal, fp32 and bf16 (``MixedPrecisionPolicy``) alike: 
 dim-0 chunks out the same way (see [Note: Dim-0 layout] in csrc/flatshard/layout.h), cast them the same way,
 sum them with gloo's reduce-scatter and divide by a power of two.
 
+``compiled_blocks`` compiles each block after sharding it, as torchtitan does, with dynamo and AOT autograd
+(``backend="aot_eager"``): what meets flatshard's hooks is dynamo's tracing and the compiled forward and
+backward graphs; inductor's code generation inside a block is the same for either FSDP and costs tens of
+seconds on two cores (run by hand with ``backend="inductor"`` at W = 2, 2026-11-27: bit-equal too).
+
 The GPT has a vocabulary of 67 rows and a position table of 10: neither divides by 2 or 4, so ranks hold
 padded chunks, and at W = 4 the position table's last rank holds 1 row of 3. Every case of one world size
 runs in one process start (see [Note: One process start per world size] in tests/_cases.py).
@@ -28,7 +33,7 @@ VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
-         "bf16_params_fp32_reduce_no_gradient_sync"]
+         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -88,8 +93,14 @@ def _build(impl: str, case: str) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         block_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for block in model.blocks:
+    if case == "compiled_blocks":
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    for i, block in enumerate(model.blocks):
         fully_shard(block, **block_kwargs)
+        if case == "compiled_blocks":  # torchtitan's way: each block compiled after fully_shard (see the docstring)
+            model.blocks[i] = torch.compile(block, backend="aot_eager")
     fully_shard(model, **kwargs)
     if case == "meta_then_to_empty":
         from torch.distributed.tensor import distribute_tensor
