@@ -13,6 +13,10 @@ sum them with gloo's reduce-scatter and divide by a power of two.
 backward graphs; inductor's code generation inside a block is the same for either FSDP and costs tens of
 seconds on two cores (run by hand with ``backend="inductor"`` at W = 2, 2026-11-27: bit-equal too).
 
+``cpu_offload`` (``CPUOffloadPolicy``) goes through the front-end's path and the runtime's offload flag; on a
+CPU the host is the device, so no copy is made, by torch or by flatshard: the copies run on a GPU
+(tests/test_gpu.py).
+
 The GPT has a vocabulary of 67 rows and a position table of 10: neither divides by 2 or 4, so ranks hold
 padded chunks, and at W = 4 the position table's last rank holds 1 row of 3. Every case of one world size
 runs in one process start (see [Note: One process start per world size] in tests/_cases.py).
@@ -33,7 +37,7 @@ VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
-         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks"]
+         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -79,6 +83,10 @@ def _build(impl: str, case: str) -> nn.Module:
 
         kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         kwargs["reshard_after_forward"] = not case.endswith("=False")
+    if case == "cpu_offload":  # (no pinning without a GPU, torch's and ours)
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if case == "frozen_embedding":
         model.embed.weight.requires_grad_(False)
     if case == "ignored_position_table":
@@ -241,9 +249,9 @@ def test_a_sharded_model_looks_like_torch_fsdp2s():
 
 def _refusals(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
 
+    import flatshard
     from flatshard import fully_shard
 
     def fresh():
@@ -252,12 +260,14 @@ def _refusals(rank: int, world_size: int) -> None:
     refusals = [
         (dict(mesh=init_device_mesh("cpu", (1, 2, 2))), r"a 3-D mesh \(1, 2, 2\): flatshard takes a 1-D mesh"),
         (dict(reshard_after_forward=2), r"reshard_after_forward=2 \(resharding to a smaller group\)"),
-        (dict(offload_policy=CPUOffloadPolicy()), "offload_policy=.* is not supported"),
         (dict(shard_placement_fn=lambda p: Shard(1)), "gives Shard\\(1\\) for parameter 'pos'"),
     ]
     for kwargs, message in refusals:
         with pytest.raises(NotImplementedError, match=message):
             fully_shard(fresh(), **kwargs)
+    with pytest.raises(TypeError, match=r"fully_shard\(GPT\): offload_policy must be an OffloadPolicy .* but got "
+                                        r"CPUOffload"):
+        fully_shard(fresh(), offload_policy=flatshard.CPUOffload(offload_params=True))  # (FSDP1's, by mistake)
     with pytest.raises(NotImplementedError, match="dp_mesh_dims .* is not supported"):
         fully_shard(fresh(), dp_mesh_dims=object())
     with pytest.raises(NotImplementedError, match="a list of modules"):
@@ -270,7 +280,6 @@ def _refusals(rank: int, world_size: int) -> None:
     fully_shard(top_down)
     with pytest.raises(ValueError, match=r"parameter 'ln1.weight' is already sharded .* call fully_shard bottom-up"):
         fully_shard(top_down.blocks[0])
-    import flatshard
 
     with pytest.raises(NotImplementedError, match="was sharded with fully_shard: call its unshard"):
         with flatshard.summon_full_params(model):

@@ -212,3 +212,57 @@ def test_shards_to_host_and_back_on_gpu(use_orig_params):
     """flatshard.move_shards_to_host/device mid-training (verl's offload between rollout and update): memory
     freed on the device, a forward meanwhile refused, training goes on exactly as a model never moved."""
     run_distributed(_shards_to_host_and_back, 1, "nccl", use_orig_params, timeout=240)
+
+
+def _fully_shard_on_device(rank, world_size, backend, device_type, offload):
+    """flatshard's fully_shard (fp32, blocks then root) against a single-process run of the same global batch: the
+    dim-0 layout's all-gather and copy-out into each parameter at W = 2 (gloo, both ranks on the GPU), offloaded
+    shards on the host (pinned with a GPU). Each rank's local tensor of each DTensor parameter must be its rows of
+    the reference's (torch's chunking: ceil(rows / W) per rank, the last ranks fewer or none)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from flatshard import _C, fully_shard
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    group = dist.new_group(backend=backend)
+    mesh = DeviceMesh.from_group(group, device_type)
+    vocab, seq = 67, 10  # rows that do not divide by 2: padded chunks
+    batch = tuple(t.to(device) for t in make_batch(batch=8, seq=seq, vocab=vocab))
+    reference = make_gpt(vocab=vocab, seq=seq).to(device)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    model = make_gpt(vocab=vocab, seq=seq).to(device)
+    policy = CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload else OffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(STEPS):
+        gpt_loss(reference, *batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        gpt_loss(model, *local_slice(batch, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+    host = {p.to_local().device.type for p in model.parameters()}
+    assert host == ({"cpu"} if offload else {device.type}), host
+    if offload and device_type == "cuda":
+        assert all(p.to_local().is_pinned() for p in model.parameters())
+    problems = []
+    for (name, p), want in zip(model.named_parameters(), reference.parameters()):
+        chunks = torch.chunk(want.detach(), world_size, dim=0)
+        mine = chunks[rank] if rank < len(chunks) else want.new_empty((0, *want.shape[1:]))
+        got = p.to_local().detach().to(device)
+        if got.shape != mine.shape or not torch.allclose(got, mine, rtol=RTOL, atol=ATOL):
+            problems.append(f"{name}: local {tuple(got.shape)} vs the reference's rows {tuple(mine.shape)}")
+    assert not problems, f"rank {rank}: " + "; ".join(problems)
+    assert _C.unsharded_bytes() == 0
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "cpu_offload"])
+@pytest.mark.parametrize("backend, world_size", [("nccl", 1), ("gloo", 2)])
+def test_fully_shard_on_gpu(backend, world_size, offload):
+    run_distributed(_fully_shard_on_device, world_size, backend, "cuda", offload, timeout=240)

@@ -89,15 +89,16 @@ PYBIND11_MODULE(_C, m) {
                        const std::vector<at::Tensor>& params, std::optional<c10::Device> compute_device,
                        std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
                        std::optional<at::ScalarType> grad_dtype, bool offload, double predivide, double postdivide,
-                       bool all_reduce_replicas) {
+                       bool all_reduce_replicas, bool pin_host_memory) {
              flatshard::FlatParamOptions options{compute_device, param_dtype, reduce_dtype, grad_dtype, offload,
-                                                 predivide, postdivide, all_reduce_replicas};
+                                                 pin_host_memory, predivide, postdivide, all_reduce_replicas};
              return std::make_unique<FlatParamHandle>(std::move(name), std::move(layout), rank, params, options);
            }),
            py::arg("name"), py::arg("layout"), py::arg("rank"), py::arg("params"), py::kw_only(),
            py::arg("compute_device") = py::none(), py::arg("param_dtype") = py::none(),
            py::arg("reduce_dtype") = py::none(), py::arg("grad_dtype") = py::none(), py::arg("offload") = false,
            py::arg("predivide") = 1.0, py::arg("postdivide") = 1.0, py::arg("all_reduce_replicas") = false,
+           py::arg("pin_host_memory") = true,
            "See [Note: Mixed precision and offload] in csrc/flatshard/flat_param.h.")
       .def_property("name", &FlatParamHandle::name, &FlatParamHandle::set_name)
       .def_property_readonly("layout", &FlatParamHandle::layout)

@@ -133,12 +133,14 @@ FlatParamHandle::FlatParamHandle(std::string name, FlatParamLayout layout, std::
   }
   // On a CPU-only run the host is the compute device: offloading moves nothing.
   offload_ = opts.offload && compute_device_.type() != c10::DeviceType::CPU;
+  pin_host_memory_ = opts.pin_host_memory;
   {
     // The full flat tensor lives only until the shard is cut from it.
     const at::Tensor flat = flatten(params, layout_, options);
     const auto [begin, end] = layout_.shard_range(rank_);
     local_shard_ = flat.narrow(0, begin, end - begin).clone();
-    if (offload_) local_shard_ = local_shard_.to(c10::kCPU).pin_memory();
+    if (offload_) local_shard_ = local_shard_.to(c10::kCPU);
+    if (offload_ && pin_host_memory_) local_shard_ = local_shard_.pin_memory();
   }
   explicit_param_dtype_ = opts.param_dtype.has_value();
   explicit_reduce_dtype_ = opts.reduce_dtype.has_value();
@@ -394,7 +396,7 @@ void FlatParamHandle::accumulate_grad_shard(const at::Tensor& shard_grad) {
   // On its way to the host at once, on the current (reduction) stream: the device
   // copy goes as soon as that stream is past it. Added into `.grad` in add_offloaded_grads().
   const at::Tensor full = shard_grad.to(local_shard_.scalar_type());
-  at::Tensor host = at::empty(full.sizes(), full.options().device(c10::kCPU).pinned_memory(true));
+  at::Tensor host = at::empty(full.sizes(), full.options().device(c10::kCPU).pinned_memory(pin_host_memory_));
   host.copy_(full, /*non_blocking=*/true);
   host_grads_.push_back(std::move(host));
 }

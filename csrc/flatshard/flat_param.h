@@ -106,6 +106,7 @@ struct FlatParamOptions {
   std::optional<c10::ScalarType> reduce_dtype;  // the gradient's dtype for its reduction
   std::optional<c10::ScalarType> grad_dtype;    // `.grad` after each reduction (keep_low_precision_grads)
   bool offload = false;                         // shard and `.grad` on the host (pinned with a GPU)
+  bool pin_host_memory = true;  // with offload: the host shard and gradients pinned (false: pageable memory)
   // How the unit's gradient is averaged (torch FSDP1's factors; see Scheduler::reduce_grad):
   double predivide = 1.0;            // divided by this before the SUM
   double postdivide = 1.0;           // and by this after it
@@ -285,6 +286,7 @@ class FlatParamHandle {
   c10::ScalarType reduce_dtype_;
   std::optional<c10::ScalarType> grad_dtype_;
   bool offload_ = false;  // the shard lives on the host and compute does not
+  bool pin_host_memory_ = true;  // with offload_: host memory pinned (see FlatParamOptions)
   bool casts_ = false;    // the shard's dtype or device differs from the compute ones
   at::Tensor all_gather_input_;
   // See [Note: Copy-out]: the parameters' buffer, its refill TensorImpl, and their packed layout.

@@ -223,7 +223,8 @@ def _build_handle(s: UnitState, params: list[nn.Parameter], local_names: list[st
         shard_rank = s.config.rank if s.config.shard_factor > 1 else 0
         s.handle = _C.FlatParamHandle(
             s.name, layout, shard_rank, [p.detach() for p in params],
-            compute_device=s.device, offload=s.config.offload_params, **dtypes,
+            compute_device=s.device, offload=s.config.offload_params, pin_host_memory=s.config.pin_host_memory,
+            **dtypes,
             predivide=s.config.predivide, postdivide=s.config.postdivide, all_reduce_replicas=s.config.replicate_group is not None,
         )
     s.storage_changed()

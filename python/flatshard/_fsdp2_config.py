@@ -37,7 +37,7 @@ def _mesh_device(mesh: Any) -> torch.device:
 
 def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Callable | None,
                      mp_policy: Any, offload_policy: Any) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp import OffloadPolicy
     from torch.distributed.tensor import Shard
 
     name = type(module).__name__
@@ -48,9 +48,9 @@ def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, s
     if not isinstance(reshard_after_forward, (bool, type(None))):
         raise NotImplementedError(f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} (resharding "
                                   f"to a smaller group) is not supported by flatshard yet; pass True or False.")
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError(f"fully_shard({name}): offload_policy={offload_policy} is not supported by "
-                                  f"flatshard's fully_shard yet.")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard({name}): offload_policy must be an OffloadPolicy (OffloadPolicy() for none, "
+                        f"CPUOffloadPolicy() to keep the shards on the host) but got {type(offload_policy).__name__}.")
     if shard_placement_fn is not None:
         for pname, p in module.named_parameters():
             placement = shard_placement_fn(p)
@@ -76,6 +76,8 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
             shard_placement_fn: Callable | None, mp_policy: Any, offload_policy: Any,
             ignored_params: set[nn.Parameter] | None) -> UnitConfig:
     """The configuration of the unit ``fully_shard`` makes of ``module``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     mesh = mesh if mesh is not None else default_mesh()
     _check_supported(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     # 1-D: shard over the mesh. 2-D (HSDP): shard over its second dim, replicate over its first.
@@ -109,7 +111,10 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         forward_prefetch=False,
         limit_all_gathers=True,
         mixed_precision=mp,
-        offload_params=False,
+        # CPUOffloadPolicy: the shards, their gradients and the optimizer's step on the host; each all-gather
+        # copies the shard to the device first (see [Note: Mixed precision and offload] in flat_param.h).
+        offload_params=isinstance(offload_policy, CPUOffloadPolicy),
+        pin_host_memory=getattr(offload_policy, "pin_memory", True),
         use_orig_params=True,
         device_id=_mesh_device(mesh),
         param_init_fn=None,

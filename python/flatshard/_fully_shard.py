@@ -17,10 +17,10 @@ the class is only what the front-end resolves and how it presents the parameters
 
 [Note: fully_shard's coverage]
 This first version trains on a 1-D mesh or HSDP's 2-D one, ``reshard_after_forward`` True or False (None: True, and the root
-keeps its parameters after forward), ``mp_policy`` (every field), ``ignored_params``, and
-``shard_placement_fn`` giving ``Shard(0)``. What it does not support yet raises NotImplementedError naming the
-argument or method: meshes of 3 or more dims, ``reshard_after_forward`` as an int, ``CPUOffloadPolicy``, ``Shard(i)``
-for i > 0, a list of modules, and the FSDPModule methods listed in ``_NOT_YET``.
+keeps its parameters after forward), ``mp_policy`` (every field), ``CPUOffloadPolicy`` (the runtime's offload),
+``ignored_params``, and ``shard_placement_fn`` giving ``Shard(0)``. What it does not support yet raises
+NotImplementedError naming the argument or method: meshes of 3 or more dims, ``reshard_after_forward`` as an int,
+``Shard(i)`` for i > 0, a list of modules, and the FSDPModule methods listed in ``_NOT_YET``.
 """
 
 from __future__ import annotations
