@@ -102,9 +102,9 @@ def _build(impl: str, case: str) -> nn.Module:
 
         block_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     if case == "compiled_blocks":
-        import torch._dynamo
+        import torch._dynamo as dynamo
 
-        torch._dynamo.reset()
+        dynamo.reset()
     for i, block in enumerate(model.blocks):
         fully_shard(block, **block_kwargs)
         if case == "compiled_blocks":  # torchtitan's way: each block compiled after fully_shard (see the docstring)
@@ -245,6 +245,41 @@ def test_a_sharded_model_looks_like_torch_fsdp2s():
             assert ours[key].keys() == theirs[key].keys(), key
             for k, (kind, value) in theirs[key].items():
                 assert ours[key][k][0] == kind and torch.equal(ours[key][k][1], value), (key, k)
+
+
+def _forward_method(rank: int, world_size: int) -> dict:
+    """torch's register_fsdp_forward_method on a method that reads the root's own parameters outside its forward
+    and calls the forward (as HF generate does), without grad; then a training step. Both FSDP2s."""
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    def score(self, tokens):
+        return float(self(tokens).sum() + self.embed.weight.sum() + self.head.weight.sum())
+
+    out = {}
+    for impl in ("torch", "flatshard"):
+        model = _build(impl, "reshard_after_forward=None")
+        model.score = types.MethodType(score, model)
+        register_fsdp_forward_method(model, "score")
+        tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB), rank, world_size)
+        with torch.no_grad():
+            scores = [model.score(tokens), model.score(tokens)]
+        loss = gpt_loss(model, tokens, targets)
+        loss.backward()
+        out[impl] = (scores, loss.item(), [_local(p.grad).clone() for p in model.parameters()])
+    return out
+
+
+def test_register_fsdp_forward_method_as_torch():
+    """torch's own function wraps a flatshard module's method (see [Note: Forward methods] in _fully_shard.py): the
+    same values as torch's FSDP2, and training after it is unchanged."""
+    from _dist import run_distributed
+
+    for rank, out in enumerate(run_distributed(_forward_method, 2, timeout=120)):
+        (t_scores, t_loss, t_grads), (f_scores, f_loss, f_grads) = out["torch"], out["flatshard"]
+        assert f_scores == t_scores and f_loss == t_loss, (rank, f_scores, t_scores, f_loss, t_loss)
+        assert all(torch.equal(a, b) for a, b in zip(f_grads, t_grads)), rank
 
 
 def _refusals(rank: int, world_size: int) -> None:

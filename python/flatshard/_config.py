@@ -65,4 +65,5 @@ class UnitConfig:
     meta_to_empty: bool = False  # a meta-device module's tensors become uninitialized memory (users init later)
     output_dtype: torch.dtype | None = None  # the forward's floating-point outputs cast to it (fully_shard's hook)
     root_reshards_after_forward: bool = False  # as root too (fully_shard's explicit reshard_after_forward=True)
+    reshard_after_no_grad_forward: bool = True  # every unit, root included (fully_shard: only as after any forward)
     pin_host_memory: bool = True  # with offload_params: pinned host memory (CPUOffloadPolicy(pin_memory=False): not)

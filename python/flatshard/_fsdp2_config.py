@@ -130,4 +130,6 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         output_dtype=mp_policy.output_dtype,
         # Given explicitly (not None), True holds for the root as well, as torch's: freed after its forward.
         root_reshards_after_forward=reshard_after_forward is True,
+        # Without grad as with it (torch FSDP2's): the root keeps its parameters unless told to free them.
+        reshard_after_no_grad_forward=False,
     )

@@ -222,6 +222,31 @@ class FSDPModule(TorchFSDPModule):
     def __deepcopy__(self, memo: Any) -> Any:
         raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
 
+    def _get_fsdp_state(self) -> _ForwardMethodHooks:
+        """What torch's ``register_fsdp_forward_method`` calls around a registered method (see
+        [Note: Forward methods]); torch's other uses of its FSDP state do not apply to a flatshard module."""
+        return _ForwardMethodHooks()
+
+
+# [Note: Forward methods]
+# torch's ``register_fsdp_forward_method(module, "generate")`` (TRL and verl register HF ``generate`` this
+# way) wraps the method to call ``module._get_fsdp_state()._pre_forward`` before it and ``_post_forward``
+# after it, so that code in the method that reads the module's own parameters outside its forward (an
+# embedding looked up, a head applied) sees them unsharded. flatshard's ``FSDPModule`` answers with these
+# two: the unit unsharded before (``unshard()``: lazy init first if the root has not run yet), and resharded
+# after when a forward of it would be (its ``reshard_after_forward``; a root given None keeps them, as
+# torch's). The forwards the method calls run the module's own hooks as always.
+class _ForwardMethodHooks:
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        module.unshard()
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        s = module._unit_state
+        if s.config.reshard_after_forward and (not s.is_root or s.config.root_reshards_after_forward):
+            module.reshard()
+        return output
+
 
 for _name in _NOT_YET:
     setattr(FSDPModule, _name, _not_yet(_name))

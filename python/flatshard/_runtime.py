@@ -401,8 +401,8 @@ def _frees_after_forward(s: UnitState) -> bool:
 
 
 def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any, output: Any) -> Any:
-    """After a unit's forward: a frozen unit's end of backward hooked, the unit resharded (without grad,
-    always; else as its strategy says; the root keeps its parameters for the backward that starts there),
+    """After a unit's forward: a frozen unit's end of backward hooked, the unit resharded (as its strategy says;
+    the root keeps its parameters for the backward that starts there; without grad the class's always),
     without grad the iteration ended at the root, else the use's pre-backward hooked to the output."""
     root = s.root
     if s.handle is not None and grad_enabled and not s.flat_param.requires_grad:
@@ -411,14 +411,17 @@ def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(frozen_post_backward, s),
                                                           mode="all")
-    if s.handle is not None and (not grad_enabled or (_frees_after_forward(s)
+    # Without grad no backward follows: the class reshards every unit there (torch FSDP1's), fully_shard only as
+    # after any forward (torch FSDP2's: a root given None keeps its parameters, for generate's next step).
+    no_grad_reshards = not grad_enabled and s.config.reshard_after_no_grad_forward
+    if s.handle is not None and (no_grad_reshards or (_frees_after_forward(s)
                                                       and (not s.is_root or s.config.root_reshards_after_forward))):
         reshard(s)
     if not grad_enabled:
         if s.is_root:
-            # No backward follows: end the iteration with nothing unsharded (forward-prefetched units included).
+            # The iteration ends here; with the class, with nothing unsharded (forward-prefetched units included).
             root.in_iteration = False
-            for u in root.units:
+            for u in root.units if no_grad_reshards else ():
                 us = u._unit_state
                 if us.handle is not None and not us.holds_unsharded:
                     reshard(us)
