@@ -37,7 +37,7 @@ VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
-         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload"]
+         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -46,7 +46,7 @@ W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_
 # and precision path, no_sync, sharding on meta; fp16's divide factors); the rest (frozen, ignored and
 # checkpointed parameters, bf16 outputs) go through the same code at W = 2.
 W4_CASES = ["reshard_after_forward=None", "reshard_after_forward=False", "no_gradient_sync", "meta_then_to_empty",
-            "bf16_params_fp32_reduce", "fp16_params_and_reduce"]
+            "bf16_params_fp32_reduce", "fp16_params_and_reduce", "frozen_base_weights"]
 # At W = 4 only: HSDP on a 2x2 mesh (replicate, shard), resharding after forward or not.
 HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False"]
 
@@ -89,6 +89,10 @@ def _build(impl: str, case: str) -> nn.Module:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if case == "frozen_embedding":
         model.embed.weight.requires_grad_(False)
+    if case == "frozen_base_weights":  # LoRA's shape: each block's projection weights frozen, the rest trained
+        for block in model.blocks:
+            for linear in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.out):
+                linear.weight.requires_grad_(False)
     if case == "ignored_position_table":
         kwargs["ignored_params"] = {model.pos}
     if case == "checkpointed_blocks":
@@ -171,6 +175,16 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
                                 f"{None if b is None else tuple(b.shape)}{diff}")
     if _C.unsharded_bytes() != 0:
         problems.append(f"{_C.unsharded_bytes()} bytes unsharded between iterations")
+    if case == "frozen_base_weights" and world_size > 1:
+        # Only the trainable parameters' rows are reduce-scattered (their padded rows on every rank), as torch's.
+        for i, block in enumerate(model.blocks):
+            handle, layout = block._unit_state.handle, block._unit_state.handle.layout
+            rows = sum(layout.rows_per_shard(j) * layout.row_numel(j) for j, p in
+                       enumerate(block._unit_state.orig_params) if p.requires_grad)
+            got = handle.collective_bytes["reduce_scatter"]
+            if got != STEPS * rows * world_size * 4:
+                problems.append(f"block {i} reduce-scattered {got} bytes in {STEPS} steps, not "
+                                f"{STEPS} x {rows * world_size * 4} (its trainable rows)")
     return problems
 
 

@@ -248,22 +248,45 @@ FlatParamHandle::~FlatParamHandle() {
 }
 
 void FlatParamHandle::set_reduce_prefix(std::int64_t numel) {
-  TORCH_CHECK(numel == -1 || layout_.kind() == LayoutKind::kFlat, "flatshard: unit '", name_,
-              "': a trainable prefix needs the flat layout");
-  TORCH_CHECK(numel == -1 || (numel > 0 && numel <= layout_.unpadded_numel()), "flatshard: unit '", name_,
-              "': a trainable prefix of ", numel, " elements for ", layout_.unpadded_numel());
   TORCH_CHECK(!unsharded_grad_.defined(), "flatshard: unit '", name_,
               "': the trainable prefix changed while a gradient was being accumulated");
+  prefix_layout_.reset();
+  if (numel != -1 && layout_.kind() == LayoutKind::kDim0) {  // whole parameters' rows of each rank's shard
+    std::int64_t k = 0;
+    std::int64_t prefix = 0;
+    while (k < layout_.num_params() && prefix < numel) {
+      prefix += layout_.rows_per_shard(k) * layout_.row_numel(k);
+      ++k;
+    }
+    TORCH_CHECK(numel > 0 && prefix == numel && numel <= layout_.shard_numel(), "flatshard: unit '", name_,
+                "': a trainable prefix of ", numel, " elements of each shard of ", layout_.shard_numel(),
+                " does not end at a parameter's rows");
+    prefix_layout_ = FlatParamLayout::dim0(
+        std::vector<std::vector<std::int64_t>>(layout_.shapes().begin(), layout_.shapes().begin() + k),
+        layout_.shard_factor());
+  } else {
+    TORCH_CHECK(numel == -1 || (numel > 0 && numel <= layout_.unpadded_numel()), "flatshard: unit '", name_,
+                "': a trainable prefix of ", numel, " elements for ", layout_.unpadded_numel());
+  }
   reduce_prefix_ = numel;
 }
 
 void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
   TORCH_CHECK(static_cast<std::int64_t>(grads.size()) == layout_.num_params(), "flatshard: unit '",
               name_, "': expected ", layout_.num_params(), " gradients but got ", grads.size());
-  if (layout_.kind() == LayoutKind::kDim0 && unsharded_grad_.defined()) {  // rank-major: see flatten
-    for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
+  if (layout_.kind() == LayoutKind::kDim0) {  // rank-major: see flatten
+    // With a trainable prefix, in the trainable parameters' own layout (see [Note: Trainable prefix]).
+    const FlatParamLayout& into_layout = prefix_layout_.has_value() ? *prefix_layout_ : layout_;
+    if (!unsharded_grad_.defined()) {  // in reduce_dtype, as torch's FSDP2 accumulates across micro-batches
+      unsharded_grad_ = flatten(std::vector<at::Tensor>(grads.begin(), grads.begin() + into_layout.num_params()),
+                                into_layout, at::TensorOptions().device(compute_device_).dtype(reduce_dtype_));
+      return;
+    }
+    for (std::int64_t i = 0; i < into_layout.num_params(); ++i) {
       if (!grads[i].defined()) continue;
-      for (auto& [into, from] : dim0_row_pieces(unsharded_grad_, layout_, i, grads[i].contiguous())) into.add_(from);
+      for (auto& [into, from] : dim0_row_pieces(unsharded_grad_, into_layout, i, grads[i].contiguous())) {
+        into.add_(from);
+      }
     }
     return;
   }
@@ -282,11 +305,8 @@ void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
     }
     return;
   }
-  if (!unsharded_grad_.defined()) {
-    // The dim-0 layout (FSDP2's) accumulates in reduce_dtype, as torch's FSDP2 does across micro-batches; the flat
-    // layout in param_dtype, as torch's FSDP1 (see [Note: Mixed precision and offload]).
-    const c10::ScalarType dtype = layout_.kind() == LayoutKind::kDim0 ? reduce_dtype_ : param_dtype_;
-    unsharded_grad_ = flatten(grads, layout_, at::TensorOptions().device(compute_device_).dtype(dtype));
+  if (!unsharded_grad_.defined()) {  // in param_dtype, as torch's FSDP1 (see [Note: Mixed precision and offload])
+    unsharded_grad_ = flatten(grads, layout_, at::TensorOptions().device(compute_device_).dtype(param_dtype_));
     return;
   }
   for (std::int64_t i = 0; i < layout_.num_params(); ++i) {

@@ -145,8 +145,17 @@ class FlatParamHandle {
   // rank keeps what falls in its shard (zeros elsewhere). torch's FSDP1
   // reduce-scatters the whole flat gradient, zeros included. -1 (the
   // default): the whole flat parameter. Set before the first backward.
+  // In the dim-0 layout (rank-major) `numel` is the prefix of each rank's
+  // shard: whole trainable parameters' rows, the same length on every rank.
+  // The gradient is then accumulated in the dim-0 layout of the trainable
+  // parameters alone (rank r's segment there is the prefix of its shard) and
+  // reduce-scattered, as torch's FSDP2 reduce-scatters only the parameters
+  // that have gradients; each rank's reduced prefix is padded with zeros to
+  // its shard.
   void set_reduce_prefix(std::int64_t numel);
   std::int64_t reduce_prefix() const { return reduce_prefix_; }
+  // The dim-0 layout with a trainable prefix: the gradient is reduce-scattered (see above).
+  bool reduce_scatters_prefix() const { return prefix_layout_.has_value(); }
   // Input bytes of the collectives the scheduler issued for this unit, per kind (all-gather,
   // reduce-scatter, all-reduce over the shard group, all-reduce over the replicate group), since
   // the last reset: what flatshard.plan predicts per unit (see [Note: Collective byte counters]).
@@ -258,6 +267,7 @@ class FlatParamHandle {
   FlatParamLayout layout_;
   std::int64_t rank_;
   std::int64_t reduce_prefix_ = -1;  // see [Note: Trainable prefix]
+  std::optional<FlatParamLayout> prefix_layout_;  // the dim-0 layout of the trainable parameters (prefix set)
   std::int64_t group_index_ = 0;
   std::array<std::int64_t, 4> collective_bytes_{};  // by CollectiveSlot
   at::Tensor local_shard_;

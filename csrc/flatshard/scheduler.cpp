@@ -251,7 +251,7 @@ void Scheduler::reduce_grad(FlatParamHandle& unit) {
       unit.count_collective(FlatParamHandle::kAllReduced, static_cast<std::int64_t>(record.grad_shard.nbytes()));
       record.shard_work = groups.shard.all_reduce_sum(record.grad_shard);
     }
-  } else if (unit.reduce_prefix() >= 0) {  // see [Note: Trainable prefix] in flat_param.h
+  } else if (unit.reduce_prefix() >= 0 && !unit.reduce_scatters_prefix()) {  // see [Note: Trainable prefix]
     RECORD_USER_SCOPE(unit.all_reduce_range());
     check_sequence(groups.shard, unit, "all_reduce of the trainable prefix", record.flat_grad.nbytes());
     unit.count_collective(FlatParamHandle::kAllReduced, static_cast<std::int64_t>(record.flat_grad.nbytes()));
@@ -259,7 +259,8 @@ void Scheduler::reduce_grad(FlatParamHandle& unit) {
     record.shard_work = groups.shard.all_reduce_sum(record.flat_grad);
   } else {
     RECORD_USER_SCOPE(unit.reduce_scatter_range());
-    record.grad_shard = at::empty({unit.layout().shard_numel()}, record.flat_grad.options());
+    // (With a dim-0 trainable prefix, the prefix of the shard: padded with zeros once reduced.)
+    record.grad_shard = at::empty({record.flat_grad.numel() / unit.layout().shard_factor()}, record.flat_grad.options());
     check_sequence(groups.shard, unit, "reduce_scatter", record.flat_grad.nbytes());
     unit.count_collective(FlatParamHandle::kReduceScattered, static_cast<std::int64_t>(record.flat_grad.nbytes()));
     record.shard_work = groups.shard.reduce_scatter_sum(record.grad_shard, record.flat_grad);
@@ -320,6 +321,11 @@ void Scheduler::complete_replica_reduction() {
   c10::StreamGuard stream_guard(all_reduce_stream_);
   wait_for(record.replica_work, *record.unit, "replica all-reduce");
   at::Tensor& shard_grad = record.grad_shard;
+  if (shard_grad.numel() < record.unit->layout().shard_numel()) {  // a dim-0 trainable prefix: zeros after it
+    at::Tensor shard = at::zeros({record.unit->layout().shard_numel()}, shard_grad.options());
+    shard.narrow(0, 0, shard_grad.numel()).copy_(shard_grad);
+    shard_grad = std::move(shard);
+  }
   if (record.unit->postdivide() != 1.0) shard_grad.div_(record.unit->postdivide());
   record.unit->accumulate_grad_shard(shard_grad);
   if (record.unit->has_offloaded_grads()) offloaded_.insert(record.unit);

@@ -129,10 +129,13 @@ def _register(unit: FullyShardedDataParallel, s: UnitState, params: list[nn.Para
         unit.__dict__[FLAT_PARAM] = s.flat_param
         s.frozen_indices = ([i for i, p in enumerate(params) if not p.requires_grad] if s.flat_param.requires_grad
                             else [])
-        # Reduce the trainable prefix only (the dim-0 layout interleaves ranks: it reduces the whole gradient).
-        if s.frozen_indices and not s.handle.is_replicated and not s.config.dim0_layout:
+        # Reduce the trainable prefix only (see [Note: Trainable prefix] in flat_param.h): the flat layout's first
+        # elements, or in the dim-0 layout the trainable parameters' rows at the start of each rank's shard.
+        if s.frozen_indices and not s.handle.is_replicated:
             trainable = len(params) - len(s.frozen_indices)
-            s.handle.set_reduce_prefix(layout.offsets[trainable - 1] + layout.numels[trainable - 1])
+            s.handle.set_reduce_prefix(
+                sum(layout.rows_per_shard(i) * layout.row_numel(i) for i in range(trainable)) if s.config.dim0_layout
+                else layout.offsets[trainable - 1] + layout.numels[trainable - 1])
         _orig_params.init(s, params)
         return
     unit.register_parameter(FLAT_PARAM, s.flat_param)
