@@ -296,6 +296,40 @@ def test_register_fsdp_forward_method_as_torch():
         assert all(torch.equal(a, b) for a, b in zip(f_grads, t_grads)), rank
 
 
+def _reshard_setter(rank: int, world_size: int) -> dict:
+    """set_reshard_after_forward(False) then (True), between steps: what each forward keeps, and the training."""
+    out = {}
+    for impl in ("torch", "flatshard"):
+        model = _build(impl, "reshard_after_forward=None")
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        losses, kept = [], []
+        for step, reshard in enumerate((False, True)):
+            model.set_reshard_after_forward(reshard)
+            tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size)
+            loss = gpt_loss(model, tokens, targets)
+            if impl == "flatshard":  # after forward: which units still hold their unsharded parameters
+                kept.append([m._unit_state.handle.has_unsharded_storage() for m in (model, *model.blocks)])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with pytest.raises(ValueError, match="reshard_after_forward should be a bool, got <class 'int'>"):
+            model.set_reshard_after_forward(2)
+        out[impl] = (losses, [_local(p).detach().clone() for p in model.parameters()], kept)
+    return out
+
+
+def test_set_reshard_after_forward_as_torch():
+    """False keeps every unit's parameters after forward, True frees them, the root's too (as torch's setter); the
+    training equals torch FSDP2's doing the same."""
+    from _dist import run_distributed
+
+    for rank, out in enumerate(run_distributed(_reshard_setter, 2, timeout=120)):
+        (t_losses, t_params, _), (f_losses, f_params, kept) = out["torch"], out["flatshard"]
+        assert kept == [[True] * 4, [False] * 4], (rank, kept)
+        assert f_losses == t_losses and all(torch.equal(a, b) for a, b in zip(f_params, t_params)), rank
+
+
 def _refusals(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard

@@ -7,6 +7,7 @@ argument (see [Note: fully_shard's coverage] in fully_shard.py).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -94,14 +95,12 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         predivide, postdivide = gradient_divide_factors(world_size * replicas)
     else:
         predivide, postdivide = 1.0, float(world_size * replicas)
-    strategies = ((ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD) if replicate_group is None else
-                  (ShardingStrategy._HYBRID_SHARD_ZERO2, ShardingStrategy.HYBRID_SHARD))
     return UnitConfig(
         process_group=group,
         replicate_group=replicate_group,
         rank=dist.get_rank(group),
         world_size=world_size,
-        sharding_strategy=strategies[reshard],
+        sharding_strategy=_strategy(reshard, replicate_group is not None),
         shard_factor=world_size,
         reshard_after_forward=reshard,
         predivide=predivide,
@@ -133,3 +132,18 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         # Without grad as with it (torch FSDP2's): the root keeps its parameters unless told to free them.
         reshard_after_no_grad_forward=False,
     )
+
+
+def _strategy(reshard_after_forward: bool, hybrid: bool) -> ShardingStrategy:
+    """The runtime's strategy for FSDP2's resharding choice (FSDP1's names for the same two schedules)."""
+    if hybrid:
+        return ShardingStrategy.HYBRID_SHARD if reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+    return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+
+
+def with_reshard_after_forward(config: UnitConfig, reshard_after_forward: bool) -> UnitConfig:
+    """``config`` after ``FSDPModule.set_reshard_after_forward``: the unit, root included, frees its parameters
+    after forward or keeps them."""
+    return dataclasses.replace(config, reshard_after_forward=reshard_after_forward,
+                               root_reshards_after_forward=reshard_after_forward,
+                               sharding_strategy=_strategy(reshard_after_forward, config.replicate_group is not None))

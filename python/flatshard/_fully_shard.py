@@ -129,7 +129,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 # FSDPModule's methods flatshard does not have yet: each raises NotImplementedError naming itself.
-_NOT_YET = ("set_requires_all_reduce", "set_reshard_after_forward", "set_reshard_after_backward",
+_NOT_YET = ("set_requires_all_reduce", "set_reshard_after_backward",
             "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "set_custom_all_gather",
             "set_custom_reduce_scatter", "set_all_reduce_hook", "set_post_optim_event",
             "set_reduce_scatter_divide_factor", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms",
@@ -172,6 +172,17 @@ class FSDPModule(TorchFSDPModule):
         if s.handle is not None:
             _runtime.set_views(s, s.root.scheduler.wait_for_unshard(s.handle, None, views=True))
         return UnshardHandle() if async_op else None
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the units free their parameters after forward from now on, the root included (which, given
+        None at ``fully_shard``, keeps them): False for evaluation, True again for training, as torch's."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for m in [m for m in self.modules() if is_unit(m)] if recurse else [self]:
+            s = m._unit_state
+            s.config = _fsdp2_config.with_reshard_after_forward(s.config, reshard_after_forward)
+            if s.root is not None and s.root.guard is not None:  # (the guard hashes each unit's strategy)
+                s.root.guard.model_changed()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: gradients accumulate unsharded, unreduced, until a backward with it True (FSDP2's no_sync)."""
