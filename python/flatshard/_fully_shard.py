@@ -178,7 +178,7 @@ class FSDPModule(TorchFSDPModule):
         None at ``fully_shard``, keeps them): False for evaluation, True again for training, as torch's."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
-        for m in [m for m in self.modules() if is_unit(m)] if recurse else [self]:
+        for m in self._units(recurse):
             s = m._unit_state
             s.config = _fsdp2_config.with_reshard_after_forward(s.config, reshard_after_forward)
             if s.root is not None and s.root.guard is not None:  # (the guard hashes each unit's strategy)
@@ -186,9 +186,12 @@ class FSDPModule(TorchFSDPModule):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: gradients accumulate unsharded, unreduced, until a backward with it True (FSDP2's no_sync)."""
-        units = [m for m in self.modules() if is_unit(m)] if recurse else [self]
-        for m in units:
+        for m in self._units(recurse):
             m._unit_state.sync_gradients = bool(requires_gradient_sync)
+
+    def _units(self, recurse: bool) -> list[nn.Module]:
+        """This module's units (itself and every fully_shard module inside it), or itself alone."""
+        return [m for m in self.modules() if is_unit(m)] if recurse else [self]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """flatshard ends every backward the same way: nothing to change."""
@@ -253,8 +256,7 @@ class _ForwardMethodHooks:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        s = module._unit_state
-        if s.config.reshard_after_forward and (not s.is_root or s.config.root_reshards_after_forward):
+        if _runtime.reshards_after_forward(module._unit_state):
             module.reshard()
         return output
 

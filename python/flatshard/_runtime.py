@@ -400,6 +400,13 @@ def _frees_after_forward(s: UnitState) -> bool:
     return s.handle is not None and s.config.reshard_after_forward and not s.holds_unsharded and not s.replicated
 
 
+def reshards_after_forward(s: UnitState) -> bool:
+    """Whether a forward of the unit ends by freeing its parameters (the root keeps them for the backward that
+    starts there, unless its front-end says otherwise); also what a registered forward method ends with (see
+    [Note: Forward methods] in _fully_shard.py)."""
+    return _frees_after_forward(s) and (not s.is_root or s.config.root_reshards_after_forward)
+
+
 def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any, output: Any) -> Any:
     """After a unit's forward: a frozen unit's end of backward hooked, the unit resharded (as its strategy says;
     the root keeps its parameters for the backward that starts there; without grad the class's always),
@@ -414,8 +421,7 @@ def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any
     # Without grad no backward follows: the class reshards every unit there (torch FSDP1's), fully_shard only as
     # after any forward (torch FSDP2's: a root given None keeps its parameters, for generate's next step).
     no_grad_reshards = not grad_enabled and s.config.reshard_after_no_grad_forward
-    if s.handle is not None and (no_grad_reshards or (_frees_after_forward(s)
-                                                      and (not s.is_root or s.config.root_reshards_after_forward))):
+    if s.handle is not None and (no_grad_reshards or reshards_after_forward(s)):
         reshard(s)
     if not grad_enabled:
         if s.is_root:
