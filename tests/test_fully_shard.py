@@ -46,7 +46,8 @@ W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_
 # and precision path, no_sync, sharding on meta; fp16's divide factors); the rest (frozen, ignored and
 # checkpointed parameters, bf16 outputs) go through the same code at W = 2.
 W4_CASES = ["reshard_after_forward=None", "reshard_after_forward=False", "no_gradient_sync", "meta_then_to_empty",
-            "bf16_params_fp32_reduce", "fp16_params_and_reduce", "frozen_base_weights"]
+            "bf16_params_fp32_reduce", "fp16_params_and_reduce", "frozen_base_weights", "reshard_after_forward=2",
+            "reshard_after_forward=2_bf16"]
 # At W = 4 only: HSDP on a 2x2 mesh (replicate, shard), resharding after forward or not.
 HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False"]
 
@@ -66,8 +67,13 @@ def _build(impl: str, case: str) -> nn.Module:
     else:
         model = make_gpt(vocab=VOCAB, seq=SEQ, seed=0)
     kwargs = {}
-    if case.startswith("reshard_after_forward="):
-        kwargs["reshard_after_forward"] = {"None": None, "True": True, "False": False}[case.split("=")[1]]
+    if case.startswith("reshard_after_forward="):  # (=2: to pairs of ranks, at W = 4)
+        kwargs["reshard_after_forward"] = {"None": None, "True": True, "False": False, "2": 2,
+                                           "2_bf16": 2}[case.split("=")[1]]
+    if case.endswith("_bf16"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     if case.startswith("bf16"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -175,6 +181,16 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
                                 f"{None if b is None else tuple(b.shape)}{diff}")
     if _C.unsharded_bytes() != 0:
         problems.append(f"{_C.unsharded_bytes()} bytes unsharded between iterations")
+    if case.startswith("reshard_after_forward=2"):
+        # Each step gathers each unit twice: in forward its 1/W shard over all W ranks, in backward the 2/W it kept
+        # over its pair of ranks (see [Note: Reshard to a smaller group] in csrc/flatshard/flat_param.h).
+        element = 2 if case.endswith("bf16") else 4
+        for name, unit in [("root", model)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]:
+            handle = unit._unit_state.handle
+            want = STEPS * 3 * handle.layout.shard_numel * element
+            if handle.collective_bytes["all_gather"] != want:
+                problems.append(f"{name} all-gathered {handle.collective_bytes['all_gather']} bytes in {STEPS} steps, "
+                                f"not {want} (its shard in forward, twice that in backward)")
     if case == "frozen_base_weights" and world_size > 1:
         # Only the trainable parameters' rows are reduce-scattered (their padded rows on every rank), as torch's.
         for i, block in enumerate(model.blocks):
@@ -342,12 +358,19 @@ def _refusals(rank: int, world_size: int) -> None:
 
     refusals = [
         (dict(mesh=init_device_mesh("cpu", (1, 2, 2))), r"a 3-D mesh \(1, 2, 2\): flatshard takes a 1-D mesh"),
-        (dict(reshard_after_forward=2), r"reshard_after_forward=2 \(resharding to a smaller group\)"),
         (dict(shard_placement_fn=lambda p: Shard(1)), "gives Shard\\(1\\) for parameter 'pos'"),
     ]
     for kwargs, message in refusals:
         with pytest.raises(NotImplementedError, match=message):
             fully_shard(fresh(), **kwargs)
+    for bad, message in ((3, r"it should be a factor of 4, not 3"), (8, "a factor of 4, not 8"),
+                         (0, "a factor of 4, not 0"), ("2", r"should be a bool or an int .* not '2'")):
+        with pytest.raises(ValueError, match=r"fully_shard\(GPT\): .*" + message):  # (torch's phrases)
+            fully_shard(fresh(), reshard_after_forward=bad)
+    with pytest.warns(UserWarning, match=r"reshard_after_forward=1 \(int\) means resharding parameters to world size 1"):
+        one = fully_shard(fresh(), reshard_after_forward=1)
+    assert not one._unit_state.config.reshard_after_forward  # (1: kept after forward, as False)
+    assert fully_shard(fresh(), reshard_after_forward=4)._unit_state.config.post_forward_group is None  # (4: True)
     with pytest.raises(TypeError, match=r"fully_shard\(GPT\): offload_policy must be an OffloadPolicy .* but got "
                                         r"CPUOffload"):
         fully_shard(fresh(), offload_policy=flatshard.CPUOffload(offload_params=True))  # (FSDP1's, by mistake)

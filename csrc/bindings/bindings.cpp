@@ -104,6 +104,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("layout", &FlatParamHandle::layout)
       .def_property_readonly("rank", &FlatParamHandle::rank)
       .def_property("group_index", &FlatParamHandle::group_index, &FlatParamHandle::set_group_index)
+      .def_property("post_forward_group_index", &FlatParamHandle::post_forward_group_index,
+                    &FlatParamHandle::set_post_forward_group_index,
+                    "See [Note: Reshard to a smaller group] in csrc/flatshard/flat_param.h; -1: none.")
+      .def("has_post_forward_shard", &FlatParamHandle::has_post_forward_shard)
       .def_property_readonly("local_shard", &FlatParamHandle::local_shard)
       .def("set_local_shard", &FlatParamHandle::set_local_shard, py::arg("param"))
       .def("after_shard_cast", &FlatParamHandle::after_shard_cast)
@@ -192,7 +196,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("handle"), py::arg("prefetch") = nullptr, py::arg("views") = false,
           "Waits for `handle`'s all-gather (issuing it first if needed), then issues `prefetch`'s (a no-op "
           "unless it is sharded); returns the unit's views of its unsharded buffer with `views`, else None.")
-      .def("reshard", &Scheduler::reshard, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
+      .def("reshard", &Scheduler::reshard, py::arg("handle"), py::arg("after_forward") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def("reduce_grad", &Scheduler::reduce_grad, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
       .def(
           "post_backward",

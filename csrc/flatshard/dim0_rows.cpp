@@ -2,29 +2,36 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace flatshard {
 
 std::vector<std::pair<at::Tensor, at::Tensor>> dim0_row_pieces(const at::Tensor& gathered,
                                                                const FlatParamLayout& layout, std::int64_t i,
-                                                               const at::Tensor& param) {
+                                                               const at::Tensor& param, std::int64_t first_rank,
+                                                               std::int64_t num_ranks) {
   TORCH_INTERNAL_ASSERT(layout.kind() == LayoutKind::kDim0, "flatshard: dim0_row_pieces of a flat layout");
   const std::int64_t per_shard = layout.rows_per_shard(i);
   const std::int64_t row = layout.row_numel(i);
   const std::int64_t rows = layout.shapes()[static_cast<std::size_t>(i)][0];
   std::vector<std::pair<at::Tensor, at::Tensor>> pieces;
   if (per_shard == 0 || row == 0) return pieces;
-  const std::int64_t ranks = layout.shard_factor();
+  const std::int64_t ranks = num_ranks < 0 ? layout.shard_factor() : num_ranks;
   // (rank, row in its chunk, element in the row): strides (S, row, 1).
   const at::Tensor by_rank =
       gathered.view({ranks, layout.shard_numel()}).narrow(1, layout.offsets()[i], per_shard * row).view(
           {ranks, per_shard, row});
   const at::Tensor rows_of = param.view({rows, row});
-  const std::int64_t full = rows / per_shard;  // ranks that hold a whole chunk
-  const std::int64_t rest = rows - full * per_shard;
-  if (full > 0) {
-    pieces.emplace_back(by_rank.narrow(0, 0, full), rows_of.narrow(0, 0, full * per_shard).view({full, per_shard, row}));
+  const std::int64_t full = rows / per_shard;  // ranks that hold a whole chunk: 0 .. full - 1
+  const std::int64_t rest = rows - full * per_shard;  // rank `full` holds these
+  const std::int64_t whole = std::min(full, first_rank + ranks) - first_rank;  // of ours with a whole chunk
+  if (whole > 0) {
+    pieces.emplace_back(by_rank.narrow(0, 0, whole),
+                        rows_of.narrow(0, first_rank * per_shard, whole * per_shard).view({whole, per_shard, row}));
   }
-  if (rest > 0) pieces.emplace_back(by_rank.select(0, full).narrow(0, 0, rest), rows_of.narrow(0, full * per_shard, rest));
+  if (rest > 0 && full >= first_rank && full < first_rank + ranks) {
+    pieces.emplace_back(by_rank.select(0, full - first_rank).narrow(0, 0, rest), rows_of.narrow(0, full * per_shard, rest));
+  }
   return pieces;
 }
 

@@ -19,8 +19,12 @@ namespace flatshard {
 // elements. `gathered` is 1-D, layout.padded_numel() long; `param` has parameter
 // i's numel and is contiguous. Copy one side of each pair into the other to move
 // rows either way; the padding rows of `gathered` are in no pair.
+// With `first_rank` and `num_ranks`, `gathered` is only those ranks' part of the
+// rank-major tensor (num_ranks * layout.shard_numel() long) and the pairs cover
+// the rows those ranks hold (see [Note: Reshard to a smaller group] in flat_param.h).
 std::vector<std::pair<at::Tensor, at::Tensor>> dim0_row_pieces(const at::Tensor& gathered,
                                                                const FlatParamLayout& layout, std::int64_t i,
-                                                               const at::Tensor& param);
+                                                               const at::Tensor& param, std::int64_t first_rank = 0,
+                                                               std::int64_t num_ranks = -1);
 
 }  // namespace flatshard

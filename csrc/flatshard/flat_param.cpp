@@ -245,6 +245,7 @@ void FlatParamHandle::set_name(std::string name) {
 
 FlatParamHandle::~FlatParamHandle() {
   if (unsharded_.defined()) free_unsharded();
+  drop_post_forward_shard();
 }
 
 void FlatParamHandle::set_reduce_prefix(std::int64_t numel) {
@@ -359,6 +360,34 @@ void FlatParamHandle::copy_out() {
     resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);
     MemoryCounter::add(-unsharded_nbytes());
   }
+}
+
+void FlatParamHandle::keep_post_forward_shard(std::int64_t group_size, std::int64_t group_rank) {
+  TORCH_INTERNAL_ASSERT(copies_out() && state_ == ShardedState::kUnsharded && params_.storage().nbytes() > 0,
+                        "flatshard: unit '", name_, "': a post-forward shard is kept from unsharded parameters");
+  TORCH_INTERNAL_ASSERT(group_size > 1 && layout_.shard_factor() % group_size == 0 && group_rank >= 0 &&
+                            group_rank < group_size,
+                        "flatshard: unit '", name_, "': post-forward group of ", group_size, " ranks (rank ",
+                        group_rank, ") for shard factor ", layout_.shard_factor());
+  // See [Note: Reshard to a smaller group]: the rows of `ranks` shard ranks from `first` on, padding zero.
+  const std::int64_t ranks = layout_.shard_factor() / group_size;
+  const std::int64_t first = group_rank * ranks;
+  drop_post_forward_shard();
+  at::Tensor chunk = at::zeros({ranks * layout_.shard_numel()}, params_.options());
+  for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
+    const std::int64_t numel = layout_.numels()[i];
+    if (numel == 0) continue;
+    const at::Tensor param = params_.narrow(0, packed_layout_->offsets()[i], numel);
+    for (auto& [into, from] : dim0_row_pieces(chunk, layout_, i, param, first, ranks)) into.copy_(from);
+  }
+  post_forward_shard_ = std::move(chunk);
+  MemoryCounter::add(static_cast<std::int64_t>(post_forward_shard_.nbytes()));
+}
+
+void FlatParamHandle::drop_post_forward_shard() {
+  if (!post_forward_shard_.defined()) return;
+  MemoryCounter::add(-static_cast<std::int64_t>(post_forward_shard_.nbytes()));
+  post_forward_shard_ = at::Tensor();
 }
 
 std::vector<at::Tensor> FlatParamHandle::views() const {

@@ -166,6 +166,24 @@ class FlatParamHandle {
   // Which of the scheduler's group pairs this unit's collectives use (see [Note: Groups per unit]).
   std::int64_t group_index() const { return group_index_; }
   void set_group_index(std::int64_t index) { group_index_ = index; }
+  // [Note: Reshard to a smaller group]
+  // fully_shard's reshard_after_forward=N (an int, 1 < N < the shard factor W): after
+  // forward the unit keeps 1/N of its gathered parameters instead of freeing all but its
+  // 1/W shard, and its next unshard (the pre-backward's) all-gathers over a group of N
+  // ranks instead of all W, as torch's FSDP2 does. The groups are consecutive ranks (torch's
+  // post-forward mesh, the mesh viewed as (-1, N)); the group's rank g keeps chunk g of
+  // the rank-major gathered buffer (the rows of shard ranks g*W/N .. (g+1)*W/N - 1), so
+  // the group's all-gather refills that buffer exactly and copy-out follows as after any
+  // all-gather. Any other reshard (post-backward, an explicit one) drops the chunk.
+  // The index of the scheduler's group pair whose shard group is that group; -1: none.
+  std::int64_t post_forward_group_index() const { return post_forward_group_index_; }
+  void set_post_forward_group_index(std::int64_t index) { post_forward_group_index_ = index; }
+  bool has_post_forward_shard() const { return post_forward_shard_.defined(); }
+  const at::Tensor& post_forward_shard() const { return post_forward_shard_; }
+  // Copies the chunk out of the parameters' buffer, on the current stream; the unit must be
+  // unsharded and copy out (see [Note: Copy-out]). Counted by MemoryCounter until dropped.
+  void keep_post_forward_shard(std::int64_t group_size, std::int64_t group_rank);
+  void drop_post_forward_shard();
 
   const at::Tensor& local_shard() const { return local_shard_; }
   // Replaces the local shard by `param`, which must alias it (Python passes the
@@ -212,9 +230,13 @@ class FlatParamHandle {
 
   // The all-gather's input, on the current stream: the local shard itself, or
   // its copy in param_dtype on the compute device, kept until
-  // drop_all_gather_input(). Sharded units only.
+  // drop_all_gather_input() (which drops a post-forward shard too: it was the
+  // input of that all-gather). Sharded units only.
   at::Tensor all_gather_input();
-  void drop_all_gather_input() { all_gather_input_ = at::Tensor(); }
+  void drop_all_gather_input() {
+    all_gather_input_ = at::Tensor();
+    drop_post_forward_shard();
+  }
   // A replicated unit with a buffer of its own: the local shard copied (cast,
   // moved) into it on the current stream.
   void copy_shard_into_unsharded();
@@ -269,6 +291,8 @@ class FlatParamHandle {
   std::int64_t reduce_prefix_ = -1;  // see [Note: Trainable prefix]
   std::optional<FlatParamLayout> prefix_layout_;  // the dim-0 layout of the trainable parameters (prefix set)
   std::int64_t group_index_ = 0;
+  std::int64_t post_forward_group_index_ = -1;  // see [Note: Reshard to a smaller group]
+  at::Tensor post_forward_shard_;
   std::array<std::int64_t, 4> collective_bytes_{};  // by CollectiveSlot
   at::Tensor local_shard_;
   at::Tensor unsharded_;

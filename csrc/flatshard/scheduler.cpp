@@ -113,7 +113,10 @@ std::int64_t Scheduler::add_groups(Collectives shard, std::optional<Collectives>
 }
 
 Scheduler::GroupPair& Scheduler::groups_of(const FlatParamHandle& unit) {
-  const std::int64_t index = unit.group_index();
+  return group_pair(unit, unit.group_index());
+}
+
+Scheduler::GroupPair& Scheduler::group_pair(const FlatParamHandle& unit, std::int64_t index) {
   TORCH_CHECK(index >= 0 && index < static_cast<std::int64_t>(groups_.size()), "flatshard: unit '", unit.name(),
               "' has group index ", index, " but the scheduler has ", groups_.size(), " group pairs");
   return groups_[static_cast<std::size_t>(index)];
@@ -167,11 +170,16 @@ void Scheduler::unshard(FlatParamHandle& unit) {
     work = std::make_shared<CommWork>();  // stream order is all there is to wait for
   } else {
     at::Tensor output = unit.all_gather_target();
-    // Cast and copied to the device here, on this stream (see [Note: Mixed precision and offload]).
-    at::Tensor input = unit.all_gather_input();
-    check_sequence(groups_of(unit).shard, unit, "all_gather", input.nbytes());
+    // After a forward that resharded to a smaller group, from the chunk kept for it over that group (see [Note:
+    // Reshard to a smaller group] in flat_param.h); else the shard, cast and copied to the device here, on this
+    // stream (see [Note: Mixed precision and offload]).
+    const bool from_post_forward = unit.has_post_forward_shard();
+    at::Tensor input = from_post_forward ? unit.post_forward_shard() : unit.all_gather_input();
+    Collectives& group =
+        from_post_forward ? group_pair(unit, unit.post_forward_group_index()).shard : groups_of(unit).shard;
+    check_sequence(group, unit, "all_gather", input.nbytes());
     unit.count_collective(FlatParamHandle::kGathered, static_cast<std::int64_t>(input.nbytes()));
-    work = std::make_shared<CommWork>(groups_of(unit).shard.all_gather(output, input));
+    work = std::make_shared<CommWork>(group.all_gather(output, input));
   }
   if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
   all_gathers_[&unit] = std::move(work);
@@ -203,8 +211,11 @@ void Scheduler::wait_for_unshard(FlatParamHandle& unit) {
   unit.set_state(ShardedState::kUnsharded);
 }
 
-void Scheduler::reshard(FlatParamHandle& unit) {
-  if (unit.state() == ShardedState::kSharded) return;
+void Scheduler::reshard(FlatParamHandle& unit, bool after_forward) {
+  if (unit.state() == ShardedState::kSharded) {
+    unit.drop_post_forward_shard();
+    return;
+  }
   if (!unit.has_own_unsharded()) {
     unit.set_state(ShardedState::kSharded);
     return;
@@ -220,6 +231,10 @@ void Scheduler::reshard(FlatParamHandle& unit) {
     }
     unit.drop_all_gather_input();
     stream_wait(current_stream(), all_gather_stream_);
+  } else if (after_forward && unit.post_forward_group_index() >= 0 && unit.copies_out()) {
+    // See [Note: Reshard to a smaller group] in flat_param.h.
+    const Collectives& group = group_pair(unit, unit.post_forward_group_index()).shard;
+    unit.keep_post_forward_shard(group.size(), group.rank());
   }
   unit.free_unsharded();
   unit.set_state(ShardedState::kSharded);

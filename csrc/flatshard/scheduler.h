@@ -102,8 +102,11 @@ class Scheduler {
   // call twice.
   void wait_for_unshard(FlatParamHandle& unit);
   // Frees the unsharded buffer. If an all-gather into it is still in flight,
-  // blocks until it completes first. Safe to call twice.
-  void reshard(FlatParamHandle& unit);
+  // blocks until it completes first. Safe to call twice. With `after_forward`
+  // (the reshard that ends a forward), a unit with a post-forward group keeps
+  // its chunk for that group first; any other reshard drops it (see [Note:
+  // Reshard to a smaller group] in flat_param.h).
+  void reshard(FlatParamHandle& unit, bool after_forward = false);
   // Takes the unit's unsharded flat gradient (FlatParamHandle::accumulate_grad) and
   // issues its reduction: reduce-scatter over the shard group (all-reduce if
   // the unit is replicated), then, with `all_reduce_replicas`, all-reduce of
@@ -196,6 +199,7 @@ class Scheduler {
     std::optional<Collectives> replicate;
   };
   GroupPair& groups_of(const FlatParamHandle& unit);
+  GroupPair& group_pair(const FlatParamHandle& unit, std::int64_t index);
   std::vector<GroupPair> groups_;  // see [Note: Groups per unit]
   c10::Device device_;
   bool has_events_;

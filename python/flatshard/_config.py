@@ -67,3 +67,6 @@ class UnitConfig:
     root_reshards_after_forward: bool = False  # as root too (fully_shard's explicit reshard_after_forward=True)
     reshard_after_no_grad_forward: bool = True  # every unit, root included (fully_shard: only as after any forward)
     pin_host_memory: bool = True  # with offload_params: pinned host memory (CPUOffloadPolicy(pin_memory=False): not)
+    # reshard_after_forward as an int N: the group of N ranks the unit reshards to after forward (see [Note: Reshard
+    # to a smaller group] in csrc/flatshard/flat_param.h); None: it reshards to its shard, or not at all
+    post_forward_group: dist.ProcessGroup | None = None

@@ -8,6 +8,7 @@ argument (see [Note: fully_shard's coverage] in fully_shard.py).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -46,9 +47,6 @@ def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, s
         raise NotImplementedError(f"fully_shard({name}): a {mesh.ndim}-D mesh {tuple(mesh.shape)}: flatshard takes a "
                                   f"1-D mesh (FSDP) or a 2-D one (HSDP: replicate, shard); not dp_mesh_dims' SPMD "
                                   f"meshes yet.")
-    if not isinstance(reshard_after_forward, (bool, type(None))):
-        raise NotImplementedError(f"fully_shard({name}): reshard_after_forward={reshard_after_forward!r} (resharding "
-                                  f"to a smaller group) is not supported by flatshard yet; pass True or False.")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard({name}): offload_policy must be an OffloadPolicy (OffloadPolicy() for none, "
                         f"CPUOffloadPolicy() to keep the shards on the host) but got {type(offload_policy).__name__}.")
@@ -59,6 +57,45 @@ def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, s
                 shown = f"Shard({placement.dim})" if isinstance(placement, Shard) else repr(placement)
                 raise NotImplementedError(f"fully_shard({name}): shard_placement_fn gives {shown} for parameter "
                                           f"'{pname}'; flatshard shards on dim 0 only so far.")
+
+
+def _reshard_to(module: nn.Module, reshard_after_forward: Any, shard_size: int) -> bool | int:
+    """FSDP2's ``reshard_after_forward`` given explicitly, as True, False or a group size N with 1 < N < the shard
+    group's size (torch's rules: N = 1 is False, with a warning; N = the shard group's size is True)."""
+    name = type(module).__name__
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(f"fully_shard({name}): reshard_after_forward should be a bool or an int representing the "
+                         f"group size to reshard to, not {reshard_after_forward!r}")
+    if isinstance(reshard_after_forward, bool):
+        return reshard_after_forward
+    if reshard_after_forward < 1 or reshard_after_forward > shard_size or shard_size % reshard_after_forward != 0:
+        raise ValueError(f"fully_shard({name}): If passing reshard_after_forward as an int, it should be a factor of "
+                         f"{shard_size}, not {reshard_after_forward} (the shard group's size; pass True to reshard "
+                         f"to it, or a divisor of it).")
+    if reshard_after_forward == 1:
+        warnings.warn(f"fully_shard({name}): reshard_after_forward=1 (int) means resharding parameters to world size "
+                      f"1, instead of reshard_after_forward=True (bool): the parameters stay unsharded after forward.",
+                      stacklevel=4)
+        return False
+    return True if reshard_after_forward == shard_size else reshard_after_forward
+
+
+# The post-forward groups made so far, by the mesh's ranks and the group size (every fully_shard call of a model
+# with the same int would otherwise make its own groups); the default group is kept with them, so that a group of
+# an earlier process group's lifetime is never taken for one of this one's.
+_POST_FORWARD_GROUPS: dict[tuple, tuple[Any, dist.ProcessGroup]] = {}
+
+
+def post_forward_group(mesh: Any, size: int) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks of ``mesh`` (torch's post-forward mesh: the mesh viewed as
+    (-1, size), HSDP's replicate dim flattened into the first), made by every rank of the default group at once."""
+    world = dist.distributed_c10d._get_default_group()
+    key = (id(world), tuple(mesh.mesh.flatten().tolist()), size)
+    if key not in _POST_FORWARD_GROUPS:
+        rows = mesh.mesh.reshape(-1, size).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(rows, backend=dist.get_backend(mesh.get_group(mesh.ndim - 1)))
+        _POST_FORWARD_GROUPS[key] = (world, group)
+    return _POST_FORWARD_GROUPS[key][1]
 
 
 def _mixed_precision(mp_policy: Any) -> MixedPrecision | None:
@@ -87,7 +124,9 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     world_size = dist.get_world_size(group)
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
     # None: True, and the root keeps its parameters after forward (its backward starts right away).
-    reshard = reshard_after_forward is not False
+    given = reshard_after_forward is not None
+    reshard_to = _reshard_to(module, reshard_after_forward, world_size) if given else True
+    reshard = reshard_to is not False
     # FSDP2 averages over every data-parallel rank: in fp32 and bf16 the SUMs, then one division (ReduceOp.AVG);
     # in other dtypes (fp16) divided before and after the SUM, so that it neither overflows nor underflows.
     mp = _mixed_precision(mp_policy)
@@ -114,6 +153,8 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         # copies the shard to the device first (see [Note: Mixed precision and offload] in flat_param.h).
         offload_params=isinstance(offload_policy, CPUOffloadPolicy),
         pin_host_memory=getattr(offload_policy, "pin_memory", True),
+        post_forward_group=(post_forward_group(mesh, reshard_to)
+                            if not isinstance(reshard_to, bool) else None),
         use_orig_params=True,
         device_id=_mesh_device(mesh),
         param_init_fn=None,
@@ -128,7 +169,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         meta_to_empty=True,
         output_dtype=mp_policy.output_dtype,
         # Given explicitly (not None), True holds for the root as well, as torch's: freed after its forward.
-        root_reshards_after_forward=reshard_after_forward is True,
+        root_reshards_after_forward=given and reshard,
         # Without grad as with it (torch FSDP2's): the root keeps its parameters unless told to free them.
         reshard_after_no_grad_forward=False,
     )
@@ -143,7 +184,7 @@ def _strategy(reshard_after_forward: bool, hybrid: bool) -> ShardingStrategy:
 
 def with_reshard_after_forward(config: UnitConfig, reshard_after_forward: bool) -> UnitConfig:
     """``config`` after ``FSDPModule.set_reshard_after_forward``: the unit, root included, frees its parameters
-    after forward or keeps them."""
+    after forward or keeps them (a bool, as torch's: a post-forward group is dropped)."""
     return dataclasses.replace(config, reshard_after_forward=reshard_after_forward,
-                               root_reshards_after_forward=reshard_after_forward,
+                               root_reshards_after_forward=reshard_after_forward, post_forward_group=None,
                                sharding_strategy=_strategy(reshard_after_forward, config.replicate_group is not None))

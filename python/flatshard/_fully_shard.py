@@ -16,10 +16,11 @@ the class is only what the front-end resolves and how it presents the parameters
   torch's ``FSDPModule``, with FSDP2's methods.
 
 [Note: fully_shard's coverage]
-This first version trains on a 1-D mesh or HSDP's 2-D one, ``reshard_after_forward`` True or False (None: True, and the root
-keeps its parameters after forward), ``mp_policy`` (every field), ``CPUOffloadPolicy`` (the runtime's offload),
+This first version trains on a 1-D mesh or HSDP's 2-D one, ``reshard_after_forward`` True, False or an int (None:
+True, and the root keeps its parameters after forward; an int N: see [Note: Reshard to a smaller group] in
+csrc/flatshard/flat_param.h), ``mp_policy`` (every field), ``CPUOffloadPolicy`` (the runtime's offload),
 ``ignored_params``, and ``shard_placement_fn`` giving ``Shard(0)``. What it does not support yet raises
-NotImplementedError naming the argument or method: meshes of 3 or more dims, ``reshard_after_forward`` as an int,
+NotImplementedError naming the argument or method: meshes of 3 or more dims,
 ``Shard(i)`` for i > 0, a list of modules, and the FSDPModule methods listed in ``_NOT_YET``.
 """
 
@@ -181,6 +182,10 @@ class FSDPModule(TorchFSDPModule):
         for m in self._units(recurse):
             s = m._unit_state
             s.config = _fsdp2_config.with_reshard_after_forward(s.config, reshard_after_forward)
+            if s.handle is not None:  # (no post-forward group any more: a part kept for one goes)
+                s.handle.post_forward_group_index = -1
+                if s.handle.has_post_forward_shard():
+                    _runtime.reshard(s)
             if s.root is not None and s.root.guard is not None:  # (the guard hashes each unit's strategy)
                 s.root.guard.model_changed()
 
@@ -256,8 +261,9 @@ class _ForwardMethodHooks:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if _runtime.reshards_after_forward(module._unit_state):
-            module.reshard()
+        s = module._unit_state
+        if s.handle is not None and s.root is not None and _runtime.reshards_after_forward(s):
+            _runtime.reshard(s, after_forward=True)
         return output
 
 

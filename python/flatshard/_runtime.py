@@ -89,6 +89,18 @@ FORWARD, SUMMONING = TrainingState.FORWARD, TrainingState.SUMMONING
 # ----------------------------------------------------------------- lazy init
 
 
+def _post_forward_group_index(scheduler: _C.Scheduler, pairs: dict, s: UnitState) -> int:
+    """The scheduler's group pair of the unit's post-forward group (see [Note: Reshard to a smaller group] in
+    csrc/flatshard/flat_param.h), added on first use; -1 without one."""
+    group = s.config.post_forward_group
+    if group is None:
+        return -1
+    key = (id(group), None)
+    if key not in pairs:
+        pairs[key] = scheduler.add_groups(group, None)
+    return pairs[key]
+
+
 def lazy_init(root: FullyShardedDataParallel) -> None:
     """Makes ``root`` the root of every unit below it: one RootState, one scheduler (see [Note: Unit state]).
 
@@ -109,6 +121,7 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
             pairs[key] = scheduler.add_groups(s.config.process_group, s.config.replicate_group)
         if s.handle is not None:
             s.handle.group_index = pairs[key]
+            s.handle.post_forward_group_index = _post_forward_group_index(scheduler, pairs, s)
     root_state = RootState(root, scheduler, [u for _, u in units])
     for _, unit in units:
         previous = unit._unit_state.root
@@ -248,10 +261,12 @@ def after_shard_cast(state: UnitState) -> None:
         set_views(state, state.placeholders, placeholders=True)
 
 
-def reshard(state: UnitState) -> None:
+def reshard(state: UnitState, after_forward: bool = False) -> None:
     """Frees the unsharded buffer (a prefetched one too); the modules get storage-less placeholders back
-    (which also lets go of the last forward's views and their graph) unless they hold them already."""
-    state.root.scheduler.reshard(state.handle)
+    (which also lets go of the last forward's views and their graph) unless they hold them already. After
+    forward, a unit given a post-forward group keeps its part for it (see [Note: Reshard to a smaller group]
+    in csrc/flatshard/flat_param.h)."""
+    state.root.scheduler.reshard(state.handle, after_forward)
     if not state.placeholders_set:
         set_views(state, state.placeholders, placeholders=True)
 
@@ -422,7 +437,7 @@ def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any
     # after any forward (torch FSDP2's: a root given None keeps its parameters, for generate's next step).
     no_grad_reshards = not grad_enabled and s.config.reshard_after_no_grad_forward
     if s.handle is not None and (no_grad_reshards or reshards_after_forward(s)):
-        reshard(s)
+        reshard(s, after_forward=True)
     if not grad_enabled:
         if s.is_root:
             # The iteration ends here; with the class, with nothing unsharded (forward-prefetched units included).
@@ -514,7 +529,7 @@ def _end_recompute(s: UnitState, output: Any, raised: bool) -> Any:
         index = len(order)
         order.append(s)
         _hook_outputs(output, functools.partial(pre_backward, s, order, index))
-        reshard(s)
+        reshard(s, after_forward=True)
     return output
 
 
