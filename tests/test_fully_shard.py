@@ -243,7 +243,12 @@ def _surface(rank: int, world_size: int) -> dict:
             "state_dict": {k: (type(v).__name__, _local(v).clone()) for k, v in state.items()},
             "dtensor_grads": None,
         }
+        # In forward a unit's parameters() are its unsharded parameters (HF reads `self.dtype` from them)
+        seen = []
+        model.blocks[0].register_forward_pre_hook(lambda m, _: seen.append(
+            [(isinstance(p, DTensor), p.dtype, tuple(p.shape)) for p in m.parameters()]))
         loss = gpt_loss(model, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB), rank, world_size))
+        out[impl]["in_forward"] = seen
         if impl == "flatshard":  # None: the root keeps its parameters after forward; True, given: it frees them
             out["root_kept"] = model._unit_state.handle.has_unsharded_storage()
             explicit = _build("flatshard", "reshard_after_forward=True")
@@ -251,6 +256,9 @@ def _surface(rank: int, world_size: int) -> dict:
                                                              world_size))
             out["root_freed"] = not explicit._unit_state.handle.has_unsharded_storage()
             explicit_loss.backward()
+        # with the root's parameters kept after forward (None) a state dict is still of DTensors, as torch's
+        out[impl]["state_dict_after_forward"] = {k: (type(v).__name__, _local(v).clone())
+                                                 for k, v in model.state_dict().items()}
         loss.backward()
         out[impl]["dtensor_grads"] = [isinstance(p.grad, DTensor) and p.grad.placements == p.placements
                                       for p in model.parameters()]
@@ -268,10 +276,10 @@ def test_a_sharded_model_looks_like_torch_fsdp2s():
         assert out["root_kept"], f"rank {rank}: reshard_after_forward=None resharded the root after its forward"
         assert out["root_freed"], f"rank {rank}: reshard_after_forward=True kept the root's parameters after forward"
         ours, theirs = out["flatshard"], out["torch"]
-        for key in ("class", "is_fsdp_module", "params", "dtensor_grads"):
+        for key in ("class", "is_fsdp_module", "params", "dtensor_grads", "in_forward"):
             assert ours[key] == theirs[key], f"rank {rank}, {key}: {ours[key]} != torch's {theirs[key]}"
         assert ours["state_dict"].keys() == theirs["state_dict"].keys()
-        for key in ("state_dict", "full_state_dict"):  # (flatshard.checkpoint's helpers: FULL, plain tensors)
+        for key in ("state_dict", "full_state_dict", "state_dict_after_forward"):  # (FULL: plain tensors)
             assert ours[key].keys() == theirs[key].keys(), key
             for k, (kind, value) in theirs[key].items():
                 assert ours[key][k][0] == kind and torch.equal(ours[key][k][1], value), (key, k)
@@ -409,6 +417,7 @@ def _refusals(rank: int, world_size: int) -> None:
     assert early.blocks[0].ln1.weight.shape == (16,) and type(early.blocks[0].ln1.weight) is torch.Tensor
     early.blocks[0].reshard()
     assert type(early.blocks[0].ln1.weight).__name__ == "DTensor"
+    early.reshard()  # (the root keeps its parameters after forward, registered unsharded: as torch's)
     before = [p.to_local().clone() for p in early.parameters()]
     with pytest.raises(NotImplementedError, match=r"moving or casting FSDPGPT to torch.float16 on cpu after fully_shard"):
         early.half()

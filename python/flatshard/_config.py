@@ -70,3 +70,6 @@ class UnitConfig:
     # reshard_after_forward as an int N: the group of N ranks the unit reshards to after forward (see [Note: Reshard
     # to a smaller group] in csrc/flatshard/flat_param.h); None: it reshards to its shard, or not at all
     post_forward_group: dist.ProcessGroup | None = None
+    # The unsharded parameters registered on the modules while the unit is unsharded (torch FSDP2's: parameters()
+    # in forward yields them, e.g. HF's `self.dtype` reads param_dtype), not only shadowing the registered ones
+    registers_unsharded: bool = False

@@ -172,6 +172,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         root_reshards_after_forward=given and reshard,
         # Without grad as with it (torch FSDP2's): the root keeps its parameters unless told to free them.
         reshard_after_no_grad_forward=False,
+        registers_unsharded=True,
     )
 
 

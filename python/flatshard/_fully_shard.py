@@ -71,6 +71,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     module.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
     # load_state_dict(assign=True) replaces the parameters: their values go into the shard (see rebind).
     module.register_load_state_dict_post_hook(_after_load)
+    # A state dict (saved or loaded) is of the registered DTensors: a unit holding its parameters unsharded (a root
+    # after its forward) reshards first, as torch's.
+    module.register_state_dict_pre_hook(_reshard_for_state_dict)
+    module.register_load_state_dict_pre_hook(_reshard_for_state_dict)
     module.__class__ = _fsdp_class(type(module))
     _UNITS.add(module)
     return module
@@ -113,6 +117,10 @@ def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any
 
 # Every module fully_shard made a unit, weakly: how unshard() finds a module's root before the first forward.
 _UNITS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+def _reshard_for_state_dict(module: nn.Module, *_args: Any) -> None:
+    module.reshard()
+
 
 def _after_load(module: nn.Module, _incompatible_keys: Any) -> None:
     if module._unit_state.handle is not None:

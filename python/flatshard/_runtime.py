@@ -236,15 +236,21 @@ class _UnshardedViews(torch.autograd.Function):
 def set_views(state: UnitState, views, placeholders: bool = False) -> None:
     """Puts ``views`` (one per original parameter) on the modules as their parameter attributes;
     with ``use_orig_params`` the placeholders are the registered parameters themselves (see
-    [Note: Original parameters] in _orig_params.py): the views that shadowed them go."""
+    [Note: Original parameters] in _orig_params.py): the views that shadowed them go. With
+    ``config.registers_unsharded`` (fully_shard) the views are the registered parameters meanwhile."""
     state.placeholders_set = placeholders
+    registers = state.config.registers_unsharded
     if placeholders and state.config.use_orig_params:
-        for m, attr, _ in state.param_slots:
+        for m, attr, index in state.param_slots:
             m.__dict__.pop(attr, None)
+            if registers:
+                m._parameters[attr] = state.orig_params[index]
         return
     # Straight into __dict__: nn.Module.__setattr__ costs microseconds, three times a unit a step.
     for m, attr, index in state.param_slots:
         m.__dict__[attr] = views[index]
+        if registers:
+            m._parameters[attr] = views[index]
 
 
 def after_shard_cast(state: UnitState) -> None:
