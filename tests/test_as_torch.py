@@ -54,12 +54,15 @@ def _python(code: str, opt_in: bool) -> str:
 
 _PROBE = """
     from torch.distributed.checkpoint.state_dict import get_state_dict   # bound before flatshard is imported
+    from torch.distributed._composable.fsdp import fully_shard as composable_fully_shard  # (transformers' path)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    import torch.distributed.fsdp as torch_fsdp
     import torch.distributed.fsdp._runtime_utils as runtime_utils
     import flatshard, flatshard.checkpoint, flatshard._torch_facade.opt_in as as_torch
     print(flatshard.is_active(), getattr(FSDP, "_is_flatshard_unit", False),
           get_state_dict is flatshard.checkpoint.get_state_dict, runtime_utils._lazy_init is as_torch._lazy_init,
-          "_flat_param" in vars(FSDP))
+          "_flat_param" in vars(FSDP), composable_fully_shard is flatshard.fully_shard,
+          torch_fsdp.fully_shard is flatshard.fully_shard)
 """
 
 
@@ -69,7 +72,8 @@ def test_environment_variable_installs_it_at_interpreter_start_whatever_the_impo
     """transformers (and datasets, peft) probe for torch with find_spec before importing it; flatshard may be what
     imports torch first."""
     code = first + "\n" + textwrap.dedent(_PROBE)
-    assert _pythons((code, True), (code, False)) == ["True True True True False", "False False False False True"]
+    assert _pythons((code, True), (code, False)) == ["True True True True False True True",
+                                                     "False False False False True False False"]
 
 
 def test_late_install_rebinds_imported_names_and_uninstall_restores_everything():
@@ -77,21 +81,48 @@ def test_late_install_rebinds_imported_names_and_uninstall_restores_everything()
         import types, sys
         import torch.distributed.checkpoint.state_dict as dsd
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        import torch.distributed._composable.fsdp as composable, torch.distributed.fsdp as torch_fsdp
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
         user = types.ModuleType("user_module"); sys.modules["user_module"] = user
         exec("from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict", user.__dict__)
-        before_class, before_module = dict(vars(FSDP)), dict(vars(dsd))
+        exec("from torch.distributed.fsdp import fully_shard", user.__dict__)
+        namespaces = (FSDP, dsd, composable, torch_fsdp, FSDPState)
+        before = [dict(vars(n)) for n in namespaces]
         import flatshard, flatshard.checkpoint
         flatshard.install_as_torch_fsdp()
         flatshard.install_as_torch_fsdp()  # idempotent
         print(user.get_state_dict is flatshard.checkpoint.get_state_dict,
-              dsd.set_state_dict is flatshard.checkpoint.set_state_dict, FSDP.__init__ is flatshard.FSDP.__init__)
+              dsd.set_state_dict is flatshard.checkpoint.set_state_dict, FSDP.__init__ is flatshard.FSDP.__init__,
+              user.fully_shard is flatshard.fully_shard, composable.fully_shard is flatshard.fully_shard)
         flatshard.uninstall_as_torch_fsdp()
         import torch.distributed.fsdp._runtime_utils as runtime_utils
-        print(flatshard.is_active(), dict(vars(FSDP)) == before_class, dict(vars(dsd)) == before_module,
-              user.get_state_dict is before_module["get_state_dict"],
+        print(flatshard.is_active(), [dict(vars(n)) == b for n, b in zip(namespaces, before)],
+              user.get_state_dict is before[1]["get_state_dict"], user.fully_shard is before[3]["fully_shard"],
               runtime_utils._lazy_init is flatshard._torch_facade.opt_in.TORCH_ORIGINALS["_lazy_init"])
     """, opt_in=False)
-    assert out.splitlines() == ["True True True", "False True True True True"]
+    assert out.splitlines() == ["True True True True True", "False [True, True, True, True, True] True True True"]
+
+
+def test_torch_fully_shard_reached_under_the_opt_in_warns_once_naming_the_caller():
+    """A reference to torch's fully_shard the opt-in cannot replace (here its defining module's, which it leaves to
+    torch's own methods) still runs torch's FSDP2: warned once, with the caller's file and line; flatshard's
+    fully_shard (torch's public name) does not warn, and nothing warns with the opt-in off."""
+    code = """
+        import tempfile, warnings, torch, torch.distributed as dist
+        from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as held
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        import flatshard
+        from torch.distributed.fsdp import fully_shard
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours = fully_shard(torch.nn.Linear(2, 2))
+            theirs = [held(torch.nn.Linear(2, 2)) for _ in range(2)]
+        said = [str(w.message) for w in caught if str(w.message).startswith("flatshard: torch's fully_shard")]
+        print(getattr(ours, "_is_flatshard_unit", False), any(getattr(m, "_is_flatshard_unit", False) for m in theirs),
+              len(said), all("<string>:10 (<listcomp>)" in m and "trains on torch's FSDP2" in m for m in said))
+        dist.destroy_process_group()
+    """
+    assert _pythons((code, True), (code, False)) == ["True False 1 True", "False False 0 True"]
 
 
 def _build(seed: int = 0):

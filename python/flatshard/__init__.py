@@ -41,9 +41,11 @@ def summon_full_params(module, recurse: bool = True, writeback: bool = True, ran
 
 
 def install_as_torch_fsdp() -> None:
-    """From now on, in this process, torch's ``torch.distributed.fsdp.FullyShardedDataParallel`` is flatshard's:
-    code that constructs torch's class (accelerate, the HF Trainer, TRL, Lightning, verl), calls its static methods,
-    or uses ``torch.distributed.checkpoint.state_dict``'s helpers gets flatshard, whatever the import order.
+    """From now on, in this process, torch's ``torch.distributed.fsdp.FullyShardedDataParallel`` and ``fully_shard``
+    are flatshard's: code that constructs torch's class (accelerate, the HF Trainer, TRL, Lightning, verl), calls its
+    static methods, calls torch's ``fully_shard`` (by ``torch.distributed.fsdp`` or the older
+    ``torch.distributed._composable.fsdp``), or uses ``torch.distributed.checkpoint.state_dict``'s helpers gets
+    flatshard, whatever the import order; a call that still reaches torch's ``fully_shard`` warns once.
     ``FLATSHARD_AS_TORCH_FSDP=1`` in the environment does this at interpreter start (every ``torchrun`` /
     ``accelerate launch`` worker). See "Using it with frameworks" in the README and [Note: flatshard as torch's FSDP]."""
     _as_torch.install()
@@ -55,8 +57,8 @@ def uninstall_as_torch_fsdp() -> None:
 
 
 def is_active() -> bool:
-    """Whether torch's FSDP1 class gives flatshard's in this process (``install_as_torch_fsdp`` or
-    ``FLATSHARD_AS_TORCH_FSDP=1``)."""
+    """Whether torch's FSDP1 class and ``fully_shard`` give flatshard's in this process (``install_as_torch_fsdp``
+    or ``FLATSHARD_AS_TORCH_FSDP=1``)."""
     return _as_torch.is_active()
 
 

@@ -26,6 +26,19 @@ After ``install()`` (``flatshard.install_as_torch_fsdp()``, or
   flatshard's, in their modules and wherever an already imported module bound them by
   name (``from ... import get_state_dict`` before the opt-in).
 
+[Note: fully_shard under the opt-in]
+torch's FSDP2 function is reached by name: ``torch.distributed.fsdp.fully_shard``, the same
+name in its package ``torch.distributed.fsdp._fully_shard``, and the older
+``torch.distributed._composable.fsdp.fully_shard`` (transformers' ``distributed/fsdp.py``
+imports it from there) with its shim module of that name. ``install()`` binds flatshard's
+``fully_shard`` in each, and wherever an imported module bound torch's by name (as for the
+checkpoint helpers above). torch's defining module keeps its own (torch's ``FSDPModule``
+methods call ``fully_shard.state`` through it), and so does anything holding a reference
+the opt-in cannot see (a default argument, a closure, a copy in a torch module such as
+pipelining's): a call that still reaches torch's ``fully_shard`` while the opt-in is on
+warns, once, naming its caller (``FSDPState.init``, which torch's ``fully_shard`` calls,
+is wrapped meanwhile), so that nobody believes flatshard trains a model that torch's does.
+
 ``uninstall()`` puts torch's back (tests run torch's FSDP1 as their oracle in the same
 process). Without the opt-in nothing of torch's is changed. Models must be wrapped
 after the opt-in: a torch FSDP1 instance made before it does not work while it is on.
@@ -35,13 +48,18 @@ the opt-in, construct torch's.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
+import warnings
 from typing import Any, Callable
 
+import torch.distributed._composable.fsdp as torch_composable_fsdp
 import torch.distributed.checkpoint.state_dict as torch_dsd
 import torch.distributed.fsdp as torch_fsdp
+import torch.distributed.fsdp._fully_shard as torch_fully_shard_package
+import torch.distributed.fsdp._fully_shard._fsdp_state as torch_fsdp_state
 import torch.distributed.fsdp._runtime_utils as torch_runtime_utils
 from torch import nn
 
@@ -60,6 +78,11 @@ _ABSENT = object()
 # torch's own functions, captured before any patching (what install() replaces, and _lazy_init's fallback).
 TORCH_ORIGINALS: dict[str, Callable] = dict(_state_dict_api.TORCH_FUNCTIONS)
 TORCH_ORIGINALS["_lazy_init"] = torch_runtime_utils._lazy_init
+TORCH_ORIGINALS["fully_shard"] = torch_fsdp.fully_shard
+# Where a script or framework finds torch's fully_shard by name (see [Note: fully_shard under the opt-in]).
+_FULLY_SHARD_NAMESPACES = (torch_fsdp, torch_fully_shard_package, torch_composable_fsdp,
+                           sys.modules["torch.distributed._composable.fsdp.fully_shard"])
+_warned_torch_fully_shard = False
 
 
 def environment_asks() -> bool:
@@ -76,10 +99,11 @@ def install(reason: str = "flatshard.install_as_torch_fsdp()") -> None:
     """Makes ``torch.distributed.fsdp.FullyShardedDataParallel`` (and its static methods, torch's
     ``torch.distributed.checkpoint.state_dict`` helpers, ``_runtime_utils._lazy_init``) flatshard's,
     in this process. Idempotent."""
-    global _active
+    global _active, _warned_torch_fully_shard
     with _lock:
         if _active:
             return
+        _warned_torch_fully_shard = False
         try:
             _patch()
         except BaseException:
@@ -115,6 +139,14 @@ def _patch() -> None:
     for name in _state_dict_api.TORCH_FUNCTIONS:
         _set(torch_dsd, name, replacements[TORCH_ORIGINALS[name]])
     _set(torch_runtime_utils, "_lazy_init", _lazy_init)
+    # torch's FSDP2 (see [Note: fully_shard under the opt-in])
+    from flatshard._fully_shard import fully_shard
+
+    replacements[TORCH_ORIGINALS["fully_shard"]] = fully_shard
+    for namespace in _FULLY_SHARD_NAMESPACES:
+        if getattr(namespace, "fully_shard", None) is TORCH_ORIGINALS["fully_shard"]:
+            _set(namespace, "fully_shard", fully_shard)
+    _set(torch_fsdp_state.FSDPState, "init", _warning_init(torch_fsdp_state.FSDPState.init))
     _rebind_imported(replacements)
 
 
@@ -155,6 +187,39 @@ def _rebind_imported(replacements: dict[Callable, Callable]) -> None:
             if replacement is not None:
                 _undo.append((namespace, name, value))
                 namespace[name] = replacement
+
+
+def _warning_init(torch_init: Callable) -> Callable:
+    """torch's ``FSDPState.init``, warning once that torch's ``fully_shard`` runs while the opt-in is on."""
+
+    @functools.wraps(torch_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _warned_torch_fully_shard
+        if _active and not _warned_torch_fully_shard:
+            _warned_torch_fully_shard = True
+            where = _caller_outside_torch()
+            warnings.warn(
+                f"flatshard: torch's fully_shard was called from {where} while flatshard's opt-in is on, through a "
+                f"reference the opt-in cannot replace: that module trains on torch's FSDP2, not flatshard's. Import "
+                f"fully_shard where it is called (from torch.distributed.fsdp, which the opt-in covers), or call "
+                f"flatshard.fully_shard.", UserWarning, stacklevel=2)
+        return torch_init(self, *args, **kwargs)
+
+    return init
+
+
+def _caller_outside_torch() -> str:
+    """``file:line (function)`` of the innermost frame that is neither torch's nor this module's."""
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__)
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(torch_dir) and filename != __file__:
+            return f"{filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "torch itself"
 
 
 def _lazy_init(state: Any, root_module: nn.Module) -> Any:
