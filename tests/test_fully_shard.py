@@ -37,7 +37,8 @@ VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
-         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights"]
+         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
+         "tail_group", "tail_group_resharding"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -119,6 +120,10 @@ def _build(impl: str, case: str) -> nn.Module:
         fully_shard(block, **block_kwargs)
         if case == "compiled_blocks":  # torchtitan's way: each block compiled after fully_shard (see the docstring)
             model.blocks[i] = torch.compile(block, backend="aot_eager")
+    if case.startswith("tail_group"):  # accelerate's FSDP2 tail: one unit of the final norm and the tied embedding
+        # and head (a list of modules); torch's holds it from the first member's forward to the last one's, ours
+        # gathers it again for a member after another resharded it (see [Note: A list of modules])
+        fully_shard([model.ln_f, model.embed, model.head], reshard_after_forward=case.endswith("resharding"))
     fully_shard(model, **kwargs)
     if case == "meta_then_to_empty":
         from torch.distributed.tensor import distribute_tensor
@@ -384,8 +389,11 @@ def _refusals(rank: int, world_size: int) -> None:
         fully_shard(fresh(), offload_policy=flatshard.CPUOffload(offload_params=True))  # (FSDP1's, by mistake)
     with pytest.raises(NotImplementedError, match="dp_mesh_dims .* is not supported"):
         fully_shard(fresh(), dp_mesh_dims=object())
-    with pytest.raises(NotImplementedError, match="a list of modules"):
-        fully_shard([fresh().blocks[0], fresh().ln_f])
+    with pytest.raises(ValueError, match="expected an nn.Module or a non-empty list of them but got an empty list"):
+        fully_shard([])
+    twice = fresh()
+    with pytest.raises(ValueError, match="the list of modules names one module twice"):
+        fully_shard([twice.ln_f, twice.ln_f])
     model = fresh()
     fully_shard(model)
     with pytest.raises(ValueError, match="GPT is already sharded"):

@@ -83,15 +83,20 @@ def all_gather_limit(limit_all_gathers: bool) -> int:
     return limit
 
 
-def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module) -> None:
+def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, more_modules: list[nn.Module] = ()) -> None:
     """Collects the unit's parameters, materializes and moves them, flattens and shards, registers.
 
     Sets the unit state's ``param_slots``, ``param_names``, ``param_local_names``,
     ``handle`` (None for a unit without parameters of its own) and ``flat_param``
     (the local shard, registered as the unit's ``_flat_param`` unless use_orig_params).
+    ``more_modules``: the rest of fully_shard's list (see [Note: A list of modules] in _fully_shard.py), whose
+    modules' names are prefixed by their index in the list.
     """
     s = unit._unit_state
     unit_mods = list(unit_modules(module, s.config.ignored_modules))
+    for index, more in enumerate(more_modules, start=1):
+        unit_mods += [(join(str(index), prefix), m) for prefix, m in unit_modules(more, s.config.ignored_modules)
+                      if all(m is not seen for _, seen in unit_mods)]
     _mark_managed(unit_mods)
     meta_originals = _materialize(s, unit_mods)
     params, names, local_names, slots = _collect_params(s, unit_mods, s.config.ignored_params)

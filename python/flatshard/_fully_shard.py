@@ -21,7 +21,8 @@ True, and the root keeps its parameters after forward; an int N: see [Note: Resh
 csrc/flatshard/flat_param.h), ``mp_policy`` (every field), ``CPUOffloadPolicy`` (the runtime's offload),
 ``ignored_params``, and ``shard_placement_fn`` giving ``Shard(0)``. What it does not support yet raises
 NotImplementedError naming the argument or method: meshes of 3 or more dims,
-``Shard(i)`` for i > 0, a list of modules, and the FSDPModule methods listed in ``_NOT_YET``.
+``Shard(i)`` for i > 0, and the FSDPModule methods listed in ``_NOT_YET``. A list of modules is one unit (see
+[Note: A list of modules]).
 """
 
 from __future__ import annotations
@@ -52,32 +53,50 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     if dp_mesh_dims is not None:
         raise NotImplementedError("fully_shard: dp_mesh_dims (an SPMD mesh with tensor or expert parallelism) is not "
                                   "supported by flatshard yet; pass a 1-D mesh, or HSDP's 2-D one.")
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("fully_shard: a list of modules (one group for several) is not supported by "
-                                  "flatshard yet; call fully_shard on each, or on their common parent.")
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"fully_shard: expected an nn.Module but got {type(module).__name__}")
-    if is_unit(module):
-        raise ValueError(f"fully_shard: {type(module).__name__} is already sharded (fully_shard was called on it, "
-                         f"or it is a FullyShardedDataParallel); call fully_shard once per module.")
-    config = _fsdp2_config.resolve(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard: expected an nn.Module or a non-empty list of them but got an empty list")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"fully_shard: expected an nn.Module but got {type(m).__name__}")
+        if is_unit(m):
+            raise ValueError(f"fully_shard: {type(m).__name__} is already sharded (fully_shard was called on it, "
+                             f"or it is a FullyShardedDataParallel); call fully_shard once per module.")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard: the list of modules names one module twice")
+    config = _fsdp2_config.resolve(modules[0], mesh, reshard_after_forward, shard_placement_fn, mp_policy,
                                    offload_policy, ignored_params)
-    state = UnitState("", module, config, config.device_id)
-    module.__dict__["_unit_state"] = state
-    _construction.build_flat_param(module, module)
+    # One unit for all of them (see [Note: A list of modules]): the first is the unit's module.
+    state = UnitState("", modules[0], config, config.device_id)
+    state.group = modules if len(modules) > 1 else None
+    for m in modules:
+        m.__dict__["_unit_state"] = state
+    _construction.build_flat_param(modules[0], modules[0], more_modules=modules[1:])
     if state.handle is not None:
         _runtime.set_views(state, state.placeholders, placeholders=True)
-    module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
-    module.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
-    # load_state_dict(assign=True) replaces the parameters: their values go into the shard (see rebind).
-    module.register_load_state_dict_post_hook(_after_load)
-    # A state dict (saved or loaded) is of the registered DTensors: a unit holding its parameters unsharded (a root
-    # after its forward) reshards first, as torch's.
-    module.register_state_dict_pre_hook(_reshard_for_state_dict)
-    module.register_load_state_dict_pre_hook(_reshard_for_state_dict)
-    module.__class__ = _fsdp_class(type(module))
-    _UNITS.add(module)
+    for m in modules:
+        m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
+        m.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
+        # load_state_dict(assign=True) replaces the parameters: their values go into the shard (see rebind).
+        m.register_load_state_dict_post_hook(_after_load)
+        # A state dict (saved or loaded) is of the registered DTensors: a unit holding its parameters unsharded (a
+        # root after its forward) reshards first, as torch's.
+        m.register_state_dict_pre_hook(_reshard_for_state_dict)
+        m.register_load_state_dict_pre_hook(_reshard_for_state_dict)
+        m.__class__ = _fsdp_class(type(m))
+        _UNITS.add(m)
     return module
+
+
+# [Note: A list of modules]
+# ``fully_shard([norm, lm_head])`` (accelerate's FSDP2 path shards a model's tail so) makes one unit of several
+# modules: one set of parameters gathered and reduced together, the modules sharing one UnitState (the first is
+# its module, ``state.group`` lists them all). Each member's forward is one use of the unit, as a module called
+# twice is (see [Note: Unit lifecycle] in _runtime.py): the first gathers the parameters, and a member that runs
+# after another reshard it gathers them again; torch's FSDP2 instead holds them from the first member's forward
+# to the last one's, which saves that all-gather (the same values either way). The runtime walks each unit once
+# (``_runtime._units_under`` by state); the parameters' local names are the members' own, prefixed by their
+# index in the list after the first (``1.weight``).
 
 
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

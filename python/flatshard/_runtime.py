@@ -149,8 +149,10 @@ def _units_under(root: FullyShardedDataParallel) -> list[tuple[str, FullySharded
     """Every unit under ``root`` (itself first) with its name, checked: none ran as a root of its own or is in
     another root's backward, and all share the root's device and all-gather limit (one runtime)."""
     units = []
+    seen_states = set()  # a list given to fully_shard is one unit of several modules: walked once
     for name, m in root.named_modules():
-        if is_unit(m):
+        if is_unit(m) and id(m._unit_state) not in seen_states:
+            seen_states.add(id(m._unit_state))
             s = m._unit_state
             if m is not root and s.is_root:
                 raise RuntimeError(
