@@ -38,7 +38,7 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
-         "tail_group", "tail_group_resharding"]
+         "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -75,7 +75,7 @@ def _build(impl: str, case: str) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    if case.startswith("bf16"):
+    if case.startswith("bf16") or case.startswith("tail_group_bf16"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -123,7 +123,10 @@ def _build(impl: str, case: str) -> nn.Module:
     if case.startswith("tail_group"):  # accelerate's FSDP2 tail: one unit of the final norm and the tied embedding
         # and head (a list of modules); torch's holds it from the first member's forward to the last one's, ours
         # gathers it again for a member after another resharded it (see [Note: A list of modules])
-        fully_shard([model.ln_f, model.embed, model.head], reshard_after_forward=case.endswith("resharding"))
+        # (bf16: the tied weight's two uses summed in bf16 before the fp32 reduction, as torch's autograd sums them
+        # on its unsharded parameter: see [Note: FSDP2's gradient sums] in csrc/flatshard/flat_param.h)
+        fully_shard([model.ln_f, model.embed, model.head], reshard_after_forward=case.endswith("resharding"),
+                    **{k: v for k, v in kwargs.items() if k == "mp_policy"})
     fully_shard(model, **kwargs)
     if case == "meta_then_to_empty":
         from torch.distributed.tensor import distribute_tensor

@@ -214,7 +214,7 @@ void FlatParamHandle::set_state(ShardedState next) {
 }
 
 void FlatParamHandle::after_shard_cast() {
-  TORCH_CHECK(state_ != ShardedState::kUnsharding && !has_unsharded_storage() && !unsharded_grad_.defined(),
+  TORCH_CHECK(state_ != ShardedState::kUnsharding && !has_unsharded_storage() && !has_unsharded_grad(),
               "flatshard: unit '", name_, "': its dtype can only change between iterations (it is unsharded now); "
               "cast the model before training or between steps.");
   const c10::ScalarType dtype = local_shard_.scalar_type();
@@ -249,7 +249,7 @@ FlatParamHandle::~FlatParamHandle() {
 }
 
 void FlatParamHandle::set_reduce_prefix(std::int64_t numel) {
-  TORCH_CHECK(!unsharded_grad_.defined(), "flatshard: unit '", name_,
+  TORCH_CHECK(!has_unsharded_grad(), "flatshard: unit '", name_,
               "': the trainable prefix changed while a gradient was being accumulated");
   prefix_layout_.reset();
   if (numel != -1 && layout_.kind() == LayoutKind::kDim0) {  // whole parameters' rows of each rank's shard
@@ -278,9 +278,9 @@ void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
   if (layout_.kind() == LayoutKind::kDim0) {  // rank-major: see flatten
     // With a trainable prefix, in the trainable parameters' own layout (see [Note: Trainable prefix]).
     const FlatParamLayout& into_layout = prefix_layout_.has_value() ? *prefix_layout_ : layout_;
-    if (!unsharded_grad_.defined()) {  // in reduce_dtype, as torch's FSDP2 accumulates across micro-batches
+    if (!unsharded_grad_.defined()) {  // this backward's, in param_dtype (see [Note: FSDP2's gradient sums])
       unsharded_grad_ = flatten(std::vector<at::Tensor>(grads.begin(), grads.begin() + into_layout.num_params()),
-                                into_layout, at::TensorOptions().device(compute_device_).dtype(reduce_dtype_));
+                                into_layout, at::TensorOptions().device(compute_device_).dtype(param_dtype_));
       return;
     }
     for (std::int64_t i = 0; i < into_layout.num_params(); ++i) {
@@ -317,7 +317,20 @@ void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
   }
 }
 
+void FlatParamHandle::end_backward_grad() {
+  if (layout_.kind() != LayoutKind::kDim0 || !unsharded_grad_.defined()) return;
+  // See [Note: FSDP2's gradient sums].
+  at::Tensor sum = std::exchange(unsharded_grad_, at::Tensor());
+  if (!accumulated_grad_.defined()) {
+    accumulated_grad_ = sum.scalar_type() == reduce_dtype_ ? sum : sum.to(reduce_dtype_);
+  } else {
+    accumulated_grad_.add_(sum);
+  }
+}
+
 at::Tensor FlatParamHandle::take_unsharded_grad() {
+  end_backward_grad();
+  if (accumulated_grad_.defined()) return std::exchange(accumulated_grad_, at::Tensor());
   TORCH_INTERNAL_ASSERT(unsharded_grad_.defined(), "flatshard: unit '", name_,
                         "' has no unsharded gradient to reduce");
   at::Tensor grad = std::exchange(unsharded_grad_, at::Tensor());

@@ -244,13 +244,23 @@ class FlatParamHandle {
   // unsharded flat gradient, allocating it (zeros where undefined) on first
   // use. Runs on the current stream. See [Note: Gradient accumulation].
   void accumulate_grad(const std::vector<at::Tensor>& grads);
-  bool has_unsharded_grad() const { return unsharded_grad_.defined(); }
-  const at::Tensor& unsharded_grad() const { return unsharded_grad_; }
+  bool has_unsharded_grad() const { return unsharded_grad_.defined() || accumulated_grad_.defined(); }
+  const at::Tensor& unsharded_grad() const { return unsharded_grad_.defined() ? unsharded_grad_ : accumulated_grad_; }
+  // [Note: FSDP2's gradient sums]
+  // With the dim-0 layout the gradients of one backward are summed in param_dtype (torch's
+  // FSDP2 sums a parameter's uses in one backward there: autograd, on its unsharded
+  // parameter), and each backward's sum is then added into an accumulation in reduce_dtype
+  // (its no_sync accumulation across micro-batches); end_backward_grad() does that when the
+  // unit's last use in a backward is done, take_unsharded_grad() before the reduction.
+  void end_backward_grad();
   // Hands the unsharded flat gradient over (to the reduction), cast to
   // reduce_dtype on the current stream, and forgets it.
   at::Tensor take_unsharded_grad();
   // Forgets the unsharded flat gradient, if any (a backward that raised).
-  void drop_unsharded_grad() { unsharded_grad_ = at::Tensor(); }
+  void drop_unsharded_grad() {
+    unsharded_grad_ = at::Tensor();
+    accumulated_grad_ = at::Tensor();
+  }
   // A reduced gradient shard (reduce_dtype, compute device, already divided)
   // into `.grad`, on the current stream; with offload, copied (non-blocking)
   // into pinned host memory instead, and added by add_offloaded_grads() once
@@ -308,6 +318,7 @@ class FlatParamHandle {
   std::string reshard_range_;
   std::string all_reduce_range_;
   at::Tensor unsharded_grad_;
+  at::Tensor accumulated_grad_;  // dim-0 layout: earlier backwards' sums (see [Note: FSDP2's gradient sums])
   // See [Note: Mixed precision and offload].
   void add_into_grad(const at::Tensor& grad_shard);
   // The unsharded buffer, its all-gather target and the placeholders, from the

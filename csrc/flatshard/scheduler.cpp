@@ -292,6 +292,7 @@ bool Scheduler::post_backward(FlatParamHandle& unit, const std::vector<at::Tenso
   // Every use's backward ran: the parameters go before the flat gradient comes.
   if (reduce || reshard_unit) reshard(unit);
   unit.accumulate_grad(grads);
+  if (reshard_unit) unit.end_backward_grad();  // every use of this backward is in (see [Note: FSDP2's gradient sums])
   if (reduce) reduce_grad(unit);
   return reduce || reshard_unit;
 }
