@@ -1,11 +1,11 @@
-"""The HF Trainer and TRL's SFTTrainer with FSDP1 (``fsdp_config={"version": 1}``) on flatshard,
-through the opt-in (issue 19).
+"""The HF Trainer and TRL's SFTTrainer on flatshard through the opt-in: with FSDP1 (``fsdp_config={"version": 1}``,
+issue 19) and with their default FSDP2 (accelerate's ``fully_shard`` path, issue 32).
 
 A tiny Llama built from a config, 4 optimizer steps of the Trainer's own loop (its FSDP1 path:
 accelerate's ``prepare``, its ``FSDP.clip_grad_norm_``, its checkpointing), a checkpoint
 saved at step 2 (FULL_STATE_DICT, model and optimizer through accelerate), then a second
 Trainer resuming from it (``resume_from_checkpoint``). Oracles: torch's FSDP1 running the
-same Trainer without checkpoints (the per-step losses must match within rtol 1e-5, the
+same Trainer without checkpoints (torch's FSDP2 for version 2; the per-step losses must match within rtol 1e-5, the
 clipping norm's summation order; see tests/test_hf_sft.py), and the resumed run's last
 losses must be those of the run that went on (bit for bit). TRL's ``SFTTrainer`` (a Trainer
 subclass with its own dataset pipeline, collator and loss) runs the same way.
@@ -50,15 +50,17 @@ def _cpu_fsdp(trainer_class, full_loads: bool = False):
     return CPUFSDPTrainer
 
 
-def _args(config_class, out, save: bool, **extra):
+def _args(config_class, out, save: bool, version: int, **extra):
+    """FSDP1 as before; FSDP2 as the Trainer's default (``fsdp_config`` without a ``version``)."""
+    fsdp_config = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "FULL_STATE_DICT"}
+    if version == 1:
+        fsdp_config.update(version=1, use_orig_params=True,
+                           sync_module_states=False)  # (accelerate refuses it without an accelerator)
     return config_class(
         output_dir=out, max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="constant",
         logging_steps=1, save_strategy="steps" if save else "no", save_steps=2, report_to=[], use_cpu=True,
         fsdp="full_shard auto_wrap", seed=0, data_seed=0, dataloader_num_workers=0, max_grad_norm=1.0,
-        fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                     "state_dict_type": "FULL_STATE_DICT", "use_orig_params": True,
-                     "sync_module_states": False},  # (accelerate refuses it without an accelerator)
-        **extra)
+        fsdp_config=fsdp_config, **extra)
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -76,17 +78,17 @@ def _losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def _runs(rank, world_size, tmp, trainer_class, args_class, make_data, **args_extra):
-    """torch's FSDP1 without checkpoints, then flatshard (the opt-in) saving at step 2, then flatshard resuming
-    from that checkpoint: each run's logged losses, and whether the trained model was flatshard's."""
+def _runs(rank, world_size, tmp, trainer_class, args_class, make_data, version, **args_extra):
+    """torch's FSDP (``version``) without checkpoints, then flatshard (the opt-in) saving at step 2, then flatshard
+    resuming from that checkpoint: each run's logged losses, and whether the trained model was flatshard's."""
     import flatshard
 
     set_launcher_environment(rank, world_size)
 
     def train(impl, save, resume=None):
         reset_accelerate()
-        trainer = _cpu_fsdp(trainer_class, full_loads=impl == "flatshard")(
-            model=tiny_llama(), args=_args(args_class, os.path.join(tmp, impl), save, **args_extra),
+        trainer = _cpu_fsdp(trainer_class, full_loads=impl == "flatshard" and version == 1)(
+            model=tiny_llama(), args=_args(args_class, os.path.join(tmp, impl), save, version, **args_extra),
             **make_data())
         trainer.train(resume_from_checkpoint=resume)
         return trainer
@@ -94,12 +96,14 @@ def _runs(rank, world_size, tmp, trainer_class, args_class, make_data, **args_ex
     got = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got["torch"] = _losses(train("torch", save=False))
+        trainer = train("torch", save=False)
+        got["torch"] = _losses(trainer)
+        got["torch_was_flatshard"] = _is_flatshard(trainer.model_wrapped)
         flatshard.install_as_torch_fsdp()
         try:
             trainer = train("flatshard", save=True)
             got["flatshard"] = _losses(trainer)
-            got["is_flatshard"] = getattr(trainer.model_wrapped, "_is_flatshard_unit", False)
+            got["is_flatshard"] = _is_flatshard(trainer.model_wrapped)
             got["resumed"] = _losses(train("flatshard", save=False,
                                            resume=os.path.join(tmp, "flatshard", "checkpoint-2")))
         finally:
@@ -107,8 +111,14 @@ def _runs(rank, world_size, tmp, trainer_class, args_class, make_data, **args_ex
     return got
 
 
+def _is_flatshard(model) -> bool:
+    """Whether the model the Trainer trained is flatshard's: the class's units (FSDP1) or fully_shard's (FSDP2)."""
+    return getattr(model, "_is_flatshard_unit", False)
+
+
 def _check(got):
     assert got["is_flatshard"], "the trainer's model is not flatshard's"
+    assert not got["torch_was_flatshard"], "with the opt-in off the trainer's model is not torch's"
     assert len(got["flatshard"]) == len(got["torch"]) == 4
     torch.testing.assert_close(torch.tensor(got["flatshard"]), torch.tensor(got["torch"]), rtol=RTOL, atol=0,
                                msg=f"losses {got['flatshard']} vs torch {got['torch']}")
@@ -116,14 +126,19 @@ def _check(got):
     assert got["resumed"] == got["flatshard"], f"resumed {got['resumed']} vs {got['flatshard']}"
 
 
-def _trainer_runs(rank, world_size, tmp):
+def _trainer_runs(rank, world_size, tmp, version):
     from transformers import Trainer, TrainingArguments
 
-    return _runs(rank, world_size, tmp, Trainer, TrainingArguments, lambda: {"train_dataset": _Tokens()})
+    return _runs(rank, world_size, tmp, Trainer, TrainingArguments, lambda: {"train_dataset": _Tokens()}, version)
 
 
 def test_hf_trainer_fsdp1_trains_saves_and_resumes_as_torch(tmp_path):
-    _check(run_distributed(_trainer_runs, 2, str(tmp_path), timeout=280)[0])
+    _check(run_distributed(_trainer_runs, 2, str(tmp_path), 1, timeout=280)[0])
+
+
+def test_hf_trainer_default_fsdp2_trains_saves_and_resumes_as_torch(tmp_path):
+    """The Trainer's default FSDP (version 2: accelerate's fully_shard path) reaches flatshard's fully_shard."""
+    _check(run_distributed(_trainer_runs, 2, str(tmp_path), 2, timeout=280)[0])
 
 
 def _tokenizer():
@@ -137,16 +152,17 @@ def _tokenizer():
                                    eos_token="t2", unk_token="t1")
 
 
-def _sft_runs(rank, world_size, tmp):
+def _sft_runs(rank, world_size, tmp, version):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     ids = torch.randint(1, 128, (16, 12), generator=torch.Generator().manual_seed(5)).tolist()
     return _runs(rank, world_size, tmp, SFTTrainer, SFTConfig,
                  lambda: {"train_dataset": Dataset.from_dict({"input_ids": ids}), "processing_class": _tokenizer()},
-                 packing=False, max_length=12)
+                 version, packing=False, max_length=12)
 
 
-def test_trl_sft_trainer_fsdp1_trains_saves_and_resumes_as_torch(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_trl_sft_trainer_trains_saves_and_resumes_as_torch(version, tmp_path):
     pytest.importorskip("trl")
-    _check(run_distributed(_sft_runs, 2, str(tmp_path), timeout=280)[0])
+    _check(run_distributed(_sft_runs, 2, str(tmp_path), version, timeout=280)[0])

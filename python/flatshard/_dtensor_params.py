@@ -99,14 +99,22 @@ def local_of(grad: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def rebind(s: UnitState) -> None:
-    """After ``_apply`` replaced parameters' data, or ``load_state_dict(assign=True)`` the parameters themselves:
-    the values into the shard, the parameters back onto it (and back on their modules)."""
+    """After ``_apply`` replaced parameters' data, or the parameters themselves were replaced on their modules
+    (``load_state_dict(assign=True)``, transformers' weight loading ``setattr``s new DTensor parameters; found at
+    lazy init too, as torch's FSDP2 does): the values into the shard, the parameters back onto it. A replacing
+    parameter is adopted, as torch's FSDP2 adopts it: that object becomes the unit's parameter (its tensor now the
+    shard's rows), so an optimizer built on the module's parameters after the replacement steps the shard."""
     views = local_views(s, s.flat_param.detach())
     for m, attr, index in s.param_slots:
         current, ours = m._parameters.get(attr), s.orig_params[index]
-        if current is not None and current is not ours:  # assign=True put a new parameter there
-            _copy_into(s.param_names[index], _local_of_param(current), views[index])
-            m._parameters[attr] = ours
+        if current is None or current is ours or not isinstance(current, nn.Parameter):  # (a plain view: unsharded)
+            continue
+        _copy_into(s.param_names[index], _local_of_param(current), views[index])
+        torch.utils.swap_tensors(current, ours)  # `current` is now the shard's parameter, ``ours`` the old values
+        s.orig_params[index] = current
+        for other, other_attr, other_index in s.param_slots:  # (a tied parameter's other registrations)
+            if other_index == index:
+                other._parameters[other_attr] = current
     for name, p, view in zip(s.param_names, s.orig_params, views):
         local = p.to_local()
         if local.data_ptr() == view.data_ptr() and local.shape == view.shape:

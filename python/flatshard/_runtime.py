@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
-from flatshard import _C, _comm_hooks, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch
+from flatshard import _C, _comm_hooks, _dtensor_params, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch
 from flatshard._common import UsageError, clean_name, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
 from flatshard._mixed_precision import cast_floating
@@ -135,6 +135,8 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
         if s.handle is not None:
             s.handle.name = name
         s.forward_input_dtype = _mixed_precision.forward_input_dtype(s.config.mixed_precision, s.is_root)
+        if s.handle is not None and s.config.dim0_layout:  # parameters replaced on the modules since fully_shard
+            _dtensor_params.rebind(s)  # (transformers' weight loading): adopted, as torch's FSDP2 does
         # (fully_shard's unit is its module itself: not an inner unit of its own)
         owned = unit_modules(s.wrapped_module, s.config.ignored_modules, lambda m, u=unit: is_unit(m) and m is not u)
         _mixed_precision.cast_buffers(s, list(owned))

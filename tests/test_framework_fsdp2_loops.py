@@ -1,0 +1,132 @@
+"""Scripts written for torch's FSDP2 reach flatshard through the opt-in, unchanged (issue 32).
+
+- A torchtitan-style loop: ``from torch.distributed.fsdp import fully_shard`` on each block, each block
+  ``torch.compile``d after it (``aot_eager``: no compiler on the test machine), the root; AdamW; a DCP checkpoint
+  through ``torch.distributed.checkpoint.state_dict`` (model and optimizer) after 2 steps, then a fresh model
+  loaded from it that goes on. Oracle: the same script with the opt-in off (torch's FSDP2), bit for bit, and the
+  resumed run equal to the one that went on.
+- transformers' own sharding (``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))``:
+  ``transformers.distributed.fsdp.apply_fully_sharded_data_parallelism`` from the model's plan, which imports
+  ``fully_shard`` from ``torch.distributed._composable.fsdp`` at import time): the model is flatshard's with the
+  opt-in and torch's without, and both train the same, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from _dist import run_distributed
+from models import gpt_loss, local_slice, make_batch, make_gpt
+
+VOCAB, SEQ, STEPS, SAVE_AT = 67, 10, 4, 2
+
+
+def _is_flatshard(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return bool(units) and all(getattr(m, "_is_flatshard_unit", False) for m in units)
+
+
+def _titan_model(seed: int = 0):
+    from torch.distributed.fsdp import fully_shard  # torch's name, as torchtitan imports it
+
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    model = make_gpt(vocab=VOCAB, seq=SEQ, seed=seed)
+    for i, block in enumerate(model.blocks):
+        fully_shard(block)
+        model.blocks[i] = torch.compile(block, backend="aot_eager")
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _titan_steps(model, opt, steps, rank, world_size):
+    losses = []
+    for step in steps:
+        loss = gpt_loss(model, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _titan_loop(rank, world_size, path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _titan_model()
+    kind = _is_flatshard(model)
+    losses = _titan_steps(model, opt, range(SAVE_AT), rank, world_size)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    went_on = _titan_steps(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+    model, opt = _titan_model(seed=7)  # other weights: the checkpoint must replace them
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    resumed = _titan_steps(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+    return {"flatshard": kind, "losses": losses + went_on, "resumed": resumed}
+
+
+def _transformers_plan(rank, world_size, path):
+    """transformers shards the model itself from its FSDP plan, as from_pretrained with a distributed config does."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from _frameworks import set_launcher_environment, tiny_llama
+
+    set_launcher_environment(rank, world_size)
+    if rank == 0:
+        tiny_llama().save_pretrained(path)
+    torch.distributed.barrier()
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=world_size))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (4, 12), generator=g).chunk(world_size)[rank]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"flatshard": _is_flatshard(model), "losses": losses}
+
+
+def _both(rank, world_size, tmp, script):
+    import flatshard
+
+    got = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for impl in ("torch", "flatshard"):
+            if impl == "flatshard":
+                flatshard.install_as_torch_fsdp()
+            try:
+                got[impl] = script(rank, world_size, os.path.join(tmp, impl))
+            finally:
+                flatshard.uninstall_as_torch_fsdp()
+    return got
+
+
+def test_torchtitan_style_loop_runs_on_flatshard_through_the_opt_in(tmp_path):
+    got = run_distributed(_both, 2, str(tmp_path), _titan_loop, timeout=280)[0]
+    assert got["flatshard"]["flatshard"] and not got["torch"]["flatshard"]
+    assert got["flatshard"]["losses"] == got["torch"]["losses"], (got["flatshard"]["losses"], got["torch"]["losses"])
+    assert got["flatshard"]["resumed"] == got["flatshard"]["losses"][SAVE_AT:], got["flatshard"]
+    assert got["torch"]["resumed"] == got["torch"]["losses"][SAVE_AT:], got["torch"]
+
+
+def test_transformers_own_fsdp_plan_runs_on_flatshard_through_the_opt_in(tmp_path):
+    pytest.importorskip("transformers")
+    got = run_distributed(_both, 2, str(tmp_path), _transformers_plan, timeout=280)[0]
+    assert got["flatshard"]["flatshard"] and not got["torch"]["flatshard"]
+    assert got["flatshard"]["losses"] == got["torch"]["losses"], (got["flatshard"]["losses"], got["torch"]["losses"])
