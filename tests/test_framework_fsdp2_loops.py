@@ -8,7 +8,8 @@
 - transformers' own sharding (``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))``:
   ``transformers.distributed.fsdp.apply_fully_sharded_data_parallelism`` from the model's plan, which imports
   ``fully_shard`` from ``torch.distributed._composable.fsdp`` at import time): the model is flatshard's with the
-  opt-in and torch's without, and both train the same, bit for bit.
+  opt-in and torch's without, and both train the same, bit for bit; its ``save_pretrained`` loads into a plain
+  model with torch's trained weights.
 """
 
 from __future__ import annotations
@@ -98,7 +99,12 @@ def _transformers_plan(rank, world_size, path):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"flatshard": _is_flatshard(model), "losses": losses}
+    # save_pretrained of the sharded model (transformers gathers the DTensors), read back by a plain model
+    model.save_pretrained(os.path.join(path, "saved"))
+    torch.distributed.barrier()
+    plain = AutoModelForCausalLM.from_pretrained(os.path.join(path, "saved"))
+    return {"flatshard": _is_flatshard(model), "losses": losses,
+            "saved": {k: v.clone() for k, v in plain.state_dict().items()}}
 
 
 def _both(rank, world_size, tmp, script):
@@ -130,3 +136,7 @@ def test_transformers_own_fsdp_plan_runs_on_flatshard_through_the_opt_in(tmp_pat
     got = run_distributed(_both, 2, str(tmp_path), _transformers_plan, timeout=280)[0]
     assert got["flatshard"]["flatshard"] and not got["torch"]["flatshard"]
     assert got["flatshard"]["losses"] == got["torch"]["losses"], (got["flatshard"]["losses"], got["torch"]["losses"])
+    ours, theirs = got["flatshard"]["saved"], got["torch"]["saved"]
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():  # the trained weights, through save_pretrained into a plain model
+        assert torch.equal(ours[key], value), key
