@@ -38,7 +38,8 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
-         "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce"]
+         "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
+         "divide_factor_summed"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -128,6 +129,14 @@ def _build(impl: str, case: str) -> nn.Module:
         fully_shard([model.ln_f, model.embed, model.head], reshard_after_forward=case.endswith("resharding"),
                     **{k: v for k, v in kwargs.items() if k == "mp_policy"})
     fully_shard(model, **kwargs)
+    if case == "explicit_prefetch":  # torchtitan's: each block gathers the next in forward, the previous in backward
+        for i, block in enumerate(model.blocks):
+            block.set_modules_to_forward_prefetch(list(model.blocks[i + 1:i + 2]))
+            block.set_modules_to_backward_prefetch(list(model.blocks[max(i - 1, 0):i]))
+    if case == "divide_factor_summed":  # SUM, then divided by 3 (torch's PREMUL_SUM, unforced, is NCCL's alone)
+        for m in [model, *model.blocks]:
+            m.set_force_sum_reduction_for_comms(True)
+            m.set_gradient_divide_factor(3.0)
     if case == "meta_then_to_empty":
         from torch.distributed.tensor import distribute_tensor
 
@@ -175,8 +184,14 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
 
     theirs = _train(_build("torch", case), case, rank, world_size)
     model = _build("flatshard", case)
-    ours = _train(model, case, rank, world_size)
     problems = []
+    if case == "explicit_prefetch" and world_size > 1:  # block 1's all-gather issued in block 0's pre-forward
+        def check(_module, _args):
+            if model.blocks[1]._unit_state.handle.state == _C.ShardedState.SHARDED:
+                problems.append("block 0's forward did not prefetch block 1")
+
+        model.blocks[0].register_forward_pre_hook(check)
+    ours = _train(model, case, rank, world_size)
     if ours["names"] != theirs["names"]:
         problems.append(f"parameter names {ours['names']} != torch's {theirs['names']}")
     if ours["losses"] != theirs["losses"]:
@@ -434,8 +449,10 @@ def _refusals(rank: int, world_size: int) -> None:
         early.half()
     assert all(p.dtype == torch.float32 and torch.equal(p.to_local(), b) for p, b in zip(early.parameters(), before))
     early(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()  # (still trains)
-    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_modules_to_forward_prefetch: not supported"):
-        model.set_modules_to_forward_prefetch([])
+    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_reshard_after_backward: not supported"):
+        model.set_reshard_after_backward(False)
+    with pytest.raises(ValueError, match=r"set_modules_to_forward_prefetch: expects FSDPModules .* but got Linear"):
+        model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
 
 
 def test_what_is_not_supported_yet_is_refused_by_name():

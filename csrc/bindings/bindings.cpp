@@ -108,6 +108,8 @@ PYBIND11_MODULE(_C, m) {
                     &FlatParamHandle::set_post_forward_group_index,
                     "See [Note: Reshard to a smaller group] in csrc/flatshard/flat_param.h; -1: none.")
       .def("has_post_forward_shard", &FlatParamHandle::has_post_forward_shard)
+      .def("set_divide_factors", &FlatParamHandle::set_divide_factors, py::arg("predivide"), py::arg("postdivide"),
+           "The gradient's division before and after the SUM from now on (see Scheduler::reduce_grad).")
       .def_property_readonly("local_shard", &FlatParamHandle::local_shard)
       .def("set_local_shard", &FlatParamHandle::set_local_shard, py::arg("param"))
       .def("after_shard_cast", &FlatParamHandle::after_shard_cast)

@@ -208,6 +208,11 @@ class FlatParamHandle {
   void set_state(ShardedState next);
   double predivide() const { return predivide_; }
   double postdivide() const { return postdivide_; }
+  // fully_shard's set_gradient_divide_factor / set_force_sum_reduction_for_comms, between iterations.
+  void set_divide_factors(double predivide, double postdivide) {
+    predivide_ = predivide;
+    postdivide_ = postdivide;
+  }
   bool all_reduce_replicas() const { return all_reduce_replicas_; }
 
   // Gives the unsharded buffer its storage. Safe to call twice. Allocates with

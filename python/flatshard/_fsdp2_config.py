@@ -127,13 +127,8 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     given = reshard_after_forward is not None
     reshard_to = _reshard_to(module, reshard_after_forward, world_size) if given else True
     reshard = reshard_to is not False
-    # FSDP2 averages over every data-parallel rank: in fp32 and bf16 the SUMs, then one division (ReduceOp.AVG);
-    # in other dtypes (fp16) divided before and after the SUM, so that it neither overflows nor underflows.
     mp = _mixed_precision(mp_policy)
-    if mp is not None and mp.reduce_dtype not in (torch.float32, torch.bfloat16):
-        predivide, postdivide = gradient_divide_factors(world_size * replicas)
-    else:
-        predivide, postdivide = 1.0, float(world_size * replicas)
+    predivide, postdivide = divide_factors(mp.reduce_dtype if mp is not None else None, world_size, replicas)
     return UnitConfig(
         process_group=group,
         replicate_group=replicate_group,
@@ -176,6 +171,25 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     )
 
 
+def divide_factors(reduce_dtype: torch.dtype | None, world_size: int, replicas: int, factor: float | None = None,
+                   force_sum: bool = False) -> tuple[float, float]:
+    """How FSDP2 divides a gradient, as the runtime's (before, after) the SUM. By default it averages over every
+    data-parallel rank: in fp32 and bf16 one division after the SUMs (ReduceOp.AVG), in other dtypes (fp16) a
+    division before and one after, so that the SUM neither overflows nor underflows. ``factor``
+    (``set_gradient_divide_factor``) divides by that instead: in fp32 and bf16 before the SUM, as NCCL's
+    PREMUL_SUM multiplies (flatshard divides where NCCL multiplies by 1/factor: the same but for the last bit),
+    or after it when it is the shard group's size (AVG); ``force_sum`` (``set_force_sum_reduction_for_comms``):
+    the SUM, then the division."""
+    data_parallel = float(world_size * replicas)
+    overflow_risk = reduce_dtype not in (None, torch.float32, torch.bfloat16)
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            return 1.0, data_parallel
+        return (1.0, float(factor)) if factor == world_size else (float(factor), 1.0)
+    factor = data_parallel if factor is None else float(factor)
+    return gradient_divide_factors(factor) if overflow_risk else (1.0, factor)
+
+
 def _strategy(reshard_after_forward: bool, hybrid: bool) -> ShardingStrategy:
     """The runtime's strategy for FSDP2's resharding choice (FSDP1's names for the same two schedules)."""
     if hybrid:
@@ -189,3 +203,12 @@ def with_reshard_after_forward(config: UnitConfig, reshard_after_forward: bool) 
     return dataclasses.replace(config, reshard_after_forward=reshard_after_forward,
                                root_reshards_after_forward=reshard_after_forward, post_forward_group=None,
                                sharding_strategy=_strategy(reshard_after_forward, config.replicate_group is not None))
+
+
+def with_divide_factors(config: UnitConfig, factor: float | None, force_sum: bool) -> UnitConfig:
+    """``config`` after ``FSDPModule.set_gradient_divide_factor`` / ``set_force_sum_reduction_for_comms``."""
+    replicas = dist.get_world_size(config.replicate_group) if config.replicate_group is not None else 1
+    reduce_dtype = config.mixed_precision.reduce_dtype if config.mixed_precision is not None else None
+    predivide, postdivide = divide_factors(reduce_dtype, config.world_size, replicas, factor, force_sum)
+    return dataclasses.replace(config, gradient_divide_factor=factor, force_sum_reduction=force_sum,
+                               predivide=predivide, postdivide=postdivide)

@@ -28,6 +28,7 @@ NotImplementedError naming the argument or method: meshes of 3 or more dims,
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -157,13 +158,18 @@ def _fsdp_class(cls: type) -> type:
 
 
 # FSDPModule's methods flatshard does not have yet: each raises NotImplementedError naming itself.
-_NOT_YET = ("set_requires_all_reduce", "set_reshard_after_backward",
-            "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "set_custom_all_gather",
-            "set_custom_reduce_scatter", "set_all_reduce_hook", "set_post_optim_event",
-            "set_reduce_scatter_divide_factor", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms",
-            "set_reduce_scatter_unused_params", "set_unshard_in_backward", "set_reduce_scatter_max_input_buffers",
-            "set_separate_reduce_scatter_group", "set_allocate_memory_from_process_group_for_comm",
-            "set_symm_mem_for_comm")
+_NOT_YET = ("set_requires_all_reduce", "set_reshard_after_backward", "set_custom_all_gather",
+            "set_custom_reduce_scatter", "set_all_reduce_hook", "set_reduce_scatter_unused_params",
+            "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
+            "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm")
+
+
+def _prefetch_states(method: str, modules: list) -> list[UnitState]:
+    for m in modules:
+        if not is_unit(m) or not m._unit_state.config.dim0_layout:
+            raise ValueError(f"FSDPModule.{method}: expects FSDPModules (modules fully_shard was called on) but got "
+                             f"{type(m).__name__}")
+    return [m._unit_state for m in modules]
 
 
 def _not_yet(name: str) -> Callable:
@@ -220,6 +226,48 @@ class FSDPModule(TorchFSDPModule):
         """False: gradients accumulate unsharded, unreduced, until a backward with it True (FSDP2's no_sync)."""
         for m in self._units(recurse):
             m._unit_state.sync_gradients = bool(requires_gradient_sync)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In this module's pre-forward, after its own all-gather, those modules' all-gathers are issued (instead
+        of the runtime's own prefetch), as torch's."""
+        self._unit_state.forward_prefetch_to = _prefetch_states("set_modules_to_forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In this module's pre-backward, after its own all-gather, those modules' all-gathers are issued (instead
+        of the runtime's implicit one: the unit that ran before it in forward), as torch's."""
+        self._unit_state.backward_prefetch_to = _prefetch_states("set_modules_to_backward_prefetch", modules)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """This module's gradients divided by ``factor`` instead of the data-parallel world size (see
+        ``_fsdp2_config.divide_factors``)."""
+        self._set_divide_factors(float(factor), self._unit_state.config.force_sum_reduction)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's deprecated name of ``set_gradient_divide_factor``."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """The reductions only ever SUM, the divisions done apart (see ``_fsdp2_config.divide_factors``)."""
+        self._set_divide_factors(self._unit_state.config.gradient_divide_factor, bool(enable))
+
+    def _set_divide_factors(self, factor: float | None, force_sum: bool) -> None:
+        s = self._unit_state
+        s.config = _fsdp2_config.with_divide_factors(s.config, factor, force_sum)
+        if s.handle is not None:
+            s.handle.set_divide_factors(s.config.predivide, s.config.postdivide)
+        if s.root is not None and s.root.guard is not None:  # (the guard hashes each unit's configuration)
+            s.root.guard.model_changed()
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next all-gathers wait for ``event`` (recorded after the optimizer step): flatshard makes the current
+        stream wait for it now, and every all-gather waits for the current stream (torch's waits its all-gather
+        stream alone, which spares compute queued after the step; the order is the same)."""
+        event.wait()
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """A hint that this module's parameters are not needed in backward (an embedding's): flatshard still
+        gathers them there, which is never wrong, only an all-gather torch's skips."""
 
     def _units(self, recurse: bool) -> list[nn.Module]:
         """This module's units (itself and every fully_shard module inside it), or itself alone."""

@@ -93,7 +93,7 @@ def flat_param_dtypes(
     return {"param_dtype": param, "reduce_dtype": reduce, "grad_dtype": grad}
 
 
-def gradient_divide_factors(data_parallel_world_size: int) -> tuple[float, float]:
+def gradient_divide_factors(data_parallel_world_size: int | float) -> tuple[float, float]:
     """(before, after) the SUM: torch FSDP1's split of the average's division.
 
     Before: the smallest power of two f with f * f >= W that divides W (at most

@@ -407,8 +407,12 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     # Waiting first lets the backend drop its temporaries for this all-gather before the next one is issued (on
     # devices with events the wait only orders streams: no overlap is lost).
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
-    ahead = _handle_at(root.prev_pre_forward_order, position + 1) if s.config.forward_prefetch else None
+    explicit = s.forward_prefetch_to
+    ahead = (_handle_at(root.prev_pre_forward_order, position + 1) if s.config.forward_prefetch and explicit is None
+             else None)
     views = root.scheduler.wait_for_unshard(handle, ahead, views=True)
+    if explicit:
+        _prefetch(root, explicit)
     flat = s.flat_param
     if not (grad_enabled and flat.requires_grad):
         set_views(s, views)
@@ -416,6 +420,14 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     use = Use(s)
     set_views(s, _UnshardedViews.apply(s, use, flat, views))
     return use
+
+
+def _prefetch(root: RootState, units: list[UnitState]) -> None:
+    """fully_shard's explicit prefetch (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``): the
+    units' all-gathers issued now, after this unit's own (a no-op for one already gathered)."""
+    for t in units:
+        if t.handle is not None and t.root is root:
+            root.scheduler.unshard(t.handle)
 
 
 def _frees_after_forward(s: UnitState) -> bool:
@@ -618,12 +630,15 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
         queue_end_of_backward(s.root)
     if s.handle is not None:
         s.switch("pre-backward")
+        explicit = s.backward_prefetch_to
         ahead = (_backward_prefetch_target(order, index - 1)
-                 if s.config.backward_prefetch == BackwardPrefetch.BACKWARD_PRE else None)
+                 if s.config.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and explicit is None else None)
         # Resharded after forward: recomputation needs real views. One crossing (see forward()).
         views = s.root.scheduler.wait_for_unshard(s.handle, ahead, views=s.placeholders_set)
         if views is not None:
             hand_out_views(s, views)
+        if explicit:
+            _prefetch(s.root, explicit)
 
 
 def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]) -> None:

@@ -123,6 +123,9 @@ class UnitState:
         # the exception the caller was handling then, or None)
         "dim0_rows",  # fully_shard: where each parameter's rows are in the shard (_dtensor_params._rows)
         "holds_unsharded",  # inside no_sync(keep_parameters_unsharded=True): nothing reshards (see [Note: no_sync])
+        "forward_prefetch_to",  # fully_shard's set_modules_to_forward_prefetch: the units gathered after this one's
+        # own all-gather in its pre-forward (None: the runtime's own rule)
+        "backward_prefetch_to",  # and set_modules_to_backward_prefetch, in its pre-backward
         "forward_input_dtype",  # what forward inputs are cast to, or None (set at lazy init)
         # --- set by the user between steps: the communication hook, state dicts
         "comm_hook",  # a user's communication hook, or None
@@ -140,6 +143,8 @@ class UnitState:
         self.wrapped_module = module
         self.config = config
         self.group: list[nn.Module] | None = None
+        self.forward_prefetch_to: list[UnitState] | None = None
+        self.backward_prefetch_to: list[UnitState] | None = None
 
         self.device = device
         self.handle: _C.FlatParamHandle | None = None
