@@ -148,7 +148,43 @@ def _uneven_accumulation_gathering(rank, world_size):
         _step(model, opt, 5, rank, world_size)
 
 
+def _fully_shard_model(dim=16):
+    from flatshard import fully_shard
+
+    model = make_gpt(n_layers=3, dim=dim)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _fully_shard_cases(rank, world_size):
+    """fully_shard's models are guarded as the class's: another width on one rank, then (on equal models) a
+    no-grad evaluation forward and a step without gradient sync (FSDP2's no_sync) on one rank."""
+    from flatshard import RankDivergenceError
+
+    model, opt = _fully_shard_model(dim=32 if rank == 1 else 16)
+    with pytest.raises(RankDivergenceError, match=r"FSDP unit 0 \('<root>' on rank 0\) differs in shapes: rank 1 "
+                                                  r"has \[\[16, 32\], \[64, 32\]"):
+        _step(model, opt, 0, rank, world_size)
+    model, opt = _fully_shard_model()
+    _step(model, opt, 0, rank, world_size)
+    with pytest.raises(RankDivergenceError, match=r"rank 1 runs forward 2 with grad while rank 0 runs forward 2 "
+                                                  r"without grad"):
+        if rank == 0:
+            with torch.no_grad():
+                model(make_batch()[0])
+        _step(model, opt, 1, rank, world_size)
+    model, opt = _fully_shard_model()
+    _step(model, opt, 0, rank, world_size)
+    with pytest.raises(RankDivergenceError, match=r"rank 1 runs forward 2 with grad inside no_sync\(\) while "
+                                                  r"rank 0 runs forward 2 with grad outside no_sync\(\)"):
+        model.set_requires_gradient_sync(rank == 0)
+        _step(model, opt, 1, rank, world_size)
+
+
 CASES = {"no_sync_on_one_rank": (_no_sync_on_one_rank, 2),
+         "fully_shard_models": (_fully_shard_cases, 2),
          "uneven_accumulation_inside_no_sync": (_uneven_accumulation_gathering, 2),
          "no_grad_forward_on_one_rank": (_no_grad_forward_on_one_rank, 4),
          "rank_skips_batch_after_its_backward_raised": (_skips_batch_after_backward_raised, 2),
