@@ -249,6 +249,47 @@ def test_guard_links_fall_back_to_gloo_where_no_connection_can_be_made():
     run_distributed(_links_and_their_fallback, 4, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
 
 
+def _intruders_at_the_guards_port(rank, world_size):
+    """[Note: The guard's links]: while rank 0's end of a link waits for rank 1, two other connections reach its port
+    first, one with the old constant greeting, one with garbage: both refused and reported, and the guard works on
+    (it still says who differs)."""
+    import socket
+
+    from flatshard import RankDivergenceError, _guard_links
+
+    if rank == 1:
+        real_connect = _guard_links._connect
+
+        def connect_after_intruders(store, deadline):
+            if _guard_links._first_of(store, ["address"], deadline) == "address":
+                host, port = store.get("address").decode().split("|")
+                for greeting in (b"flatshard-guard-link\n", b"\x00garbage" * 8):
+                    with socket.create_connection((host, int(port))) as intruder:
+                        intruder.sendall(greeting)
+                        intruder.shutdown(socket.SHUT_WR)
+                        try:
+                            assert intruder.recv(1) == b""  # closed by the listener
+                        except ConnectionResetError:  # (closed with the garbage's rest unread: a reset)
+                            pass
+            return real_connect(store, deadline)
+
+        _guard_links._connect = connect_after_intruders
+    model, opt = _trained_one_step(rank, world_size)
+    assert [type(link).__name__ for _, link in model._unit_state.root.guard._rounds] == ["SocketLink"]
+    with pytest.raises(RankDivergenceError, match=r"rank 1 runs forward 2 without grad while rank 0 runs forward 2 "
+                                                  r"with grad"):
+        if rank == 1:
+            with torch.no_grad():
+                model(make_batch()[0])
+        _step(model, opt, 1, rank, world_size)
+    return list(_guard_links.refused)
+
+
+def test_guard_links_refuse_connections_without_the_pairs_secret():
+    refused = run_distributed(_intruders_at_the_guards_port, 2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    assert len(refused[0]) == 2 and refused[1] == [], refused
+
+
 def _state_dict_in_forward(rank, world_size):
     from flatshard import FullyShardedDataParallel as FSDP
 

@@ -238,6 +238,8 @@ PYBIND11_MODULE(_C, m) {
   // The one error type of the rank-divergence guard, raised by Python's checks and by the strict
   // sequence check here (flatshard.RankDivergenceError is this class).
   py::register_exception<flatshard::RankDivergence>(m, "RankDivergenceError", PyExc_RuntimeError);
+  // See flatshard::PeerGone (flatshard.PeerGoneError): not a RankDivergenceError.
+  py::register_exception<flatshard::PeerGone>(m, "PeerGoneError", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -278,16 +280,18 @@ PYBIND11_MODULE(_C, m) {
         }
         auto* held = new py::object(std::move(hook));
         flatshard::set_stall_hook(
-            [held](const std::string& what, double waited, const std::string& error) -> std::string {
+            [held](const std::string& what, double waited, const std::string& error) -> flatshard::StallVerdict {
               py::gil_scoped_acquire gil;
               try {
-                return (*held)(what, waited, error).cast<std::string>();
+                // The hook answers (verdict, peer_gone); "" for no verdict.
+                auto answer = (*held)(what, waited, error).cast<std::pair<std::string, bool>>();
+                return {answer.first, answer.second};
               } catch (py::error_already_set& e) {
                 // Ctrl-C (or sys.exit) while a wait stalls: it ends the wait, as it would any Python wait.
                 if (e.matches(PyExc_KeyboardInterrupt)) throw flatshard::Interrupted(false);
                 if (e.matches(PyExc_SystemExit)) throw flatshard::Interrupted(true);
                 e.discard_as_unraisable("flatshard's stall hook");
-                return "";
+                return {};
               }
             },
             first_seconds, every_seconds);

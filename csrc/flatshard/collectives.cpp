@@ -190,6 +190,14 @@ StallWatch& stall_watch() {
 }
 }  // namespace
 
+namespace {
+void throw_verdict(const StallVerdict& verdict) {
+  if (verdict.message.empty()) return;
+  if (verdict.peer_gone) throw PeerGone(verdict.message);
+  throw RankDivergence(verdict.message);
+}
+}  // namespace
+
 void set_stall_hook(StallHook hook, double first_seconds, double every_seconds) {
   TORCH_CHECK(!hook || (first_seconds > 0 && every_seconds > 0), "flatshard: the stall hook's intervals must be "
               "positive but got ", first_seconds, " and ", every_seconds);
@@ -216,8 +224,7 @@ void CommWork::wait(const std::string& what) {
     if (hook && !wait_seconds_(first)) {
       waited = first;
       for (;;) {
-        std::string verdict = hook(what, waited, "");
-        if (!verdict.empty()) throw RankDivergence(verdict);
+        throw_verdict(hook(what, waited, ""));
         if (wait_seconds_(every)) break;
         waited += every;
       }
@@ -226,8 +233,7 @@ void CommWork::wait(const std::string& what) {
       try {
         wait_();
       } catch (const std::exception& e) {
-        std::string verdict = hook(what, waited, e.what());
-        if (!verdict.empty()) throw RankDivergence(verdict);
+        throw_verdict(hook(what, waited, e.what()));
         throw;
       }
       waited_ = true;

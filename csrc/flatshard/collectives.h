@@ -32,6 +32,14 @@ class RankDivergence : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A peer that is gone (its connection closed: its process ended) while this rank waited for it, named by the
+// stall watch's roll call: Python sees flatshard.PeerGoneError, a RuntimeError that is not a
+// RankDivergenceError, so that a loop catching divergences to skip a batch does not catch it.
+class PeerGone : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // Ctrl-C (KeyboardInterrupt) or sys.exit() raised in the stall hook while a wait stalls: the wait
 // ends and Python sees that exception itself (the bindings translate it back), not a backend error.
 class Interrupted : public std::exception {
@@ -51,10 +59,15 @@ class Interrupted : public std::exception {
 // wait fails (with the error: a peer's connection closed, say). The hook publishes
 // where this rank is and reads where its peers are; a non-empty answer is the verdict that the
 // collective will never complete (a peer left the step, or waits in another model's step), thrown
-// as RankDivergence (for a failed wait: in place of the backend's error). No hook (the default), or a wait that completes within `first_seconds`,
+// as RankDivergence, or that a peer is gone, thrown as PeerGone (for a failed wait: in place of the backend's error). No hook (the default), or a wait that completes within `first_seconds`,
 // costs nothing more than a plain wait. Only waits that block the host (gloo's) can stall here.
+// The hook's answer: empty, or the verdict and whether it is that a peer is gone (thrown as PeerGone).
+struct StallVerdict {
+  std::string message;
+  bool peer_gone = false;
+};
 using StallHook =
-    std::function<std::string(const std::string& what, double waited_seconds, const std::string& error)>;
+    std::function<StallVerdict(const std::string& what, double waited_seconds, const std::string& error)>;
 void set_stall_hook(StallHook hook, double first_seconds, double every_seconds);
 
 // A collective in flight. wait() blocks the host until the result is usable

@@ -27,6 +27,8 @@ void wait_for(CommWork& work, const FlatParamHandle& unit, const std::string& wh
     work.wait("the " + what + " of unit '" + (unit.name().empty() ? "<root>" : unit.name()) + "'");
   } catch (const RankDivergence&) {
     throw;  // a stalled wait's verdict (see [Note: Stalled waits]), as it is
+  } catch (const PeerGone&) {
+    throw;  // likewise
   } catch (const Interrupted&) {
     throw;  // Ctrl-C while it stalled
   } catch (const c10::DistBackendError& e) {

@@ -14,7 +14,7 @@ import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 from flatshard import _C, api, wrap  # noqa: F401  (flatshard._C: the runtime, for tests and tools)
 from flatshard.api import *  # noqa: F401,F403  (torch's enums and configs, see api.py)
 from flatshard._rank_guard import RankDivergenceError
-from flatshard._stall_watch import ProcessGroupGivenUpError
+from flatshard._stall_watch import PeerGoneError, ProcessGroupGivenUpError
 from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 from flatshard._fully_shard import FSDPModule, fully_shard
 from flatshard._full_params import summon_full_params as _summon_full_params
@@ -69,7 +69,7 @@ if _as_torch.environment_asks():  # (when flatshard was what imported torch, the
 
 __version__ = "0.1.0"
 
-__all__ = [*api.__all__, "FSDP", "FSDPModule", "FullyShardedDataParallel", "ProcessGroupGivenUpError",
+__all__ = [*api.__all__, "FSDP", "FSDPModule", "FullyShardedDataParallel", "PeerGoneError", "ProcessGroupGivenUpError",
            "RankDivergenceError", "fully_shard",
            "install_as_torch_fsdp",
            "is_active", "move_shards_to_device", "move_shards_to_host", "plan", "summon_full_params",

@@ -9,12 +9,15 @@ cores (four ranks on two) every one waits for a scheduler slice, and a round too
 W = 4 on this machine (0.19 ms at W = 2) where the same bytes over a socket written and read
 by the training threads themselves take 0.05 ms (benchmarks/RESULTS.md, guard cost). So each
 pair of partners holds a TCP connection of its own (``TCP_NODELAY``): the lower rank of the
-pair listens on an ephemeral port of every interface and publishes ``host:port`` under the
-pair's key in the default store; the higher one connects and says which pair it is. The
-host is the one gloo would pick: the address of ``GLOO_SOCKET_IFNAME``'s interface if set,
-else 127.0.0.1 between ranks on one host, else the host name's address. A pair whose
-connection cannot be made (a firewall, an unroutable host name) says so in the store, and
-both partners use a two-rank gloo group for that pair instead, as before.
+pair listens on an ephemeral port of the interface gloo would use (the address of
+``GLOO_SOCKET_IFNAME``'s interface if set, else the host name's address: not every
+interface) and publishes that address and a fresh random secret under the pair's key in
+the job's store; the higher one connects and presents the secret. A connection that
+presents anything else (something that found the port during the rendezvous) is closed,
+reported in a warning naming where it came from, and the listener waits on for its partner:
+only a process that can read the job's store can pose as one. A pair whose connection
+cannot be made (a firewall, an unroutable host name) says so in the store, and both
+partners use a two-rank gloo group for that pair instead, as before.
 
 A swap sends this rank's bytes (never blocking: they fit the socket's buffer) and reads the
 partner's, waiting in slices so that the stall watch can look where the peers are between
@@ -26,7 +29,9 @@ would, so that the stall watch's roll call names who is gone.
 from __future__ import annotations
 
 import fcntl
+import hmac
 import os
+import secrets
 import socket
 import struct
 import time
@@ -36,7 +41,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-_HELLO = b"flatshard-guard-link\n"
+from flatshard._common import logger
+
+_HELLO = b"flatshard-guard-link\n"  # followed by the pair's secret (_SECRET_BYTES, from the store)
+_SECRET_BYTES = 32
 _IFNAME_ADDRESS = 0x8915  # SIOCGIFADDR
 
 
@@ -179,23 +187,34 @@ def _first_of(store: Any, keys: list[str], deadline: float) -> str | None:
 
 
 def _accept(store: Any, deadline: float) -> socket.socket | None:
+    host = _my_host()
+    secret = secrets.token_bytes(_SECRET_BYTES)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind(("0.0.0.0", 0))
-        listener.listen(1)
-        store.set("address", f"{socket.gethostname()}|{_my_host()}|{listener.getsockname()[1]}")
+        listener.bind((host, 0))
+        listener.listen(8)
+        store.set("secret", secret)
+        store.set("address", f"{host}|{listener.getsockname()[1]}")
         listener.settimeout(0.05)
         while True:  # until the partner connects, or says it could not
             try:
-                sock, _ = listener.accept()
+                sock, peer = listener.accept()
             except socket.timeout:
                 if store.check(["failed/1"]) or time.monotonic() > deadline:
                     return None
                 continue
-            sock.settimeout(max(1.0, deadline - time.monotonic()))
-            if _read_exactly(sock, len(_HELLO)) == _HELLO:
+            sock.settimeout(min(5.0, max(0.5, deadline - time.monotonic())))
+            try:
+                greeting = _read_exactly(sock, len(_HELLO) + _SECRET_BYTES)
+            except OSError:
+                greeting = b""
+            if hmac.compare_digest(greeting, _HELLO + secret):
                 return sock
-            sock.close()  # (not the partner: something else found the port)
+            sock.close()
+            refused.append(f"{peer[0]}:{peer[1]}")
+            logger.warning("flatshard: the rank guard's link at %s:%d refused a connection from %s:%d that did not "
+                           "present the pair's secret (something other than its partner found the port); still "
+                           "waiting for the partner", host, listener.getsockname()[1], peer[0], peer[1])
     finally:
         listener.close()
 
@@ -203,11 +222,15 @@ def _accept(store: Any, deadline: float) -> socket.socket | None:
 def _connect(store: Any, deadline: float) -> socket.socket | None:
     if _first_of(store, ["address", "failed/0"], deadline) != "address":
         return None
-    their_host, address, port = store.get("address").decode().split("|")
-    target = "127.0.0.1" if their_host == socket.gethostname() else address
-    sock = socket.create_connection((target, int(port)), timeout=max(1.0, min(30.0, deadline - time.monotonic())))
-    sock.sendall(_HELLO)
+    address, port = store.get("address").decode().split("|")
+    secret = store.get("secret")
+    sock = socket.create_connection((address, int(port)), timeout=max(1.0, min(30.0, deadline - time.monotonic())))
+    sock.sendall(_HELLO + secret)
     return sock
+
+
+# Where connections that did not present a pair's secret came from, in this process (tests read it).
+refused: list[str] = []
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:

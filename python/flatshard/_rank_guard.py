@@ -68,6 +68,7 @@ _PHASES = ["forward", "backward", "state_dict()", "load_state_dict()", "summon_f
            "clip_grad_norm_()", "optim_state_dict()", "optim_state_dict_to_load()"]
 _WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), reserved (2)
 _PAIR = struct.Struct(f"<{2 * _WIDTH}q")  # a round's message: the minimum and the maximum so far
+_LENGTH = struct.Struct("<q")
 
 
 # [Note: Recovering from a divergence]
@@ -94,8 +95,9 @@ _PAIR = struct.Struct(f"<{2 * _WIDTH}q")  # a round's message: the minimum and t
 # ranks m..W-1 first hand their vector to rank r - m; ranks 0..m-1 then swap and combine with
 # rank r XOR 2^k for k = 0..log2(m)-1; the ranks m..W-1 receive the result back. That is
 # log2(m) rounds, two more when W is not a power of two: 1 at W = 2, 10 at W = 1024. Each
-# round's messages are 128 bytes. Only when minimum and maximum differ do the ranks all-gather
-# their readable descriptions (a ring, but then the job is stopping anyway).
+# round's messages are 128 bytes. Only when minimum and maximum differ do the ranks gather
+# their readable descriptions, in the same rounds over the same links (the distinct ones and who
+# holds each): nothing else, no group of all ranks, is made for that error path.
 
 _GUARDS_MADE: dict[tuple[int, ...], int] = {}
 
@@ -109,33 +111,11 @@ def _guard_key(ranks: list[int]) -> str:
     return f"{'-'.join(map(str, ranks))}/{made}"
 
 
-def _guard_group(key: str, ranks: list[int], timeout: timedelta) -> Any:
-    """A gloo group of ``ranks`` of the guard's own, rendezvousing under ``key`` (``_guard_key``). Not registered with torch.distributed (new_group names groups by a
-    count of the groups each rank belongs to, which differs between ranks that hold different
-    groups), so it is used through the backend's own methods."""
-    prefix = f"flatshard/rank_guard/{key}/"
-    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
-    return dist.ProcessGroupGloo(store, ranks.index(dist.get_rank()), len(ranks), timeout)
-
-
-def _all_gather_objects(group: Any, obj: Any) -> list[Any]:
-    """Every member's picklable ``obj``, in group rank order, through ``group``'s own all-gather."""
-    with collective_range("rank_guard all_gather (descriptions)"):
-        return _all_gather_objects_unranged(group, obj)
-
-
-def _all_gather_objects_unranged(group: Any, obj: Any) -> list[Any]:
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    size = group.size()
-    lengths = torch.zeros(size, dtype=torch.int64)
-    group._allgather_base(lengths, torch.tensor([data.numel()], dtype=torch.int64)).wait()
-    longest = int(lengths.max())
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    everything = torch.zeros(longest * size, dtype=torch.uint8)
-    group._allgather_base(everything, padded).wait()
-    return [pickle.loads(everything[i * longest : i * longest + int(n)].numpy().tobytes())
-            for i, n in enumerate(lengths.tolist())]
+def _swap_sized(link: Any, data: bytes, wait: Callable) -> bytes:
+    """Swaps ``data`` with the partner over ``link`` whatever the two lengths (a link swaps equal sizes): the
+    lengths first, then both padded to the longer."""
+    (theirs,) = _LENGTH.unpack(link.swap(_LENGTH.pack(len(data)), wait))
+    return link.swap(data.ljust(max(len(data), theirs), b"\0"), wait)[:theirs]
 
 
 # Ranks were about to run different collectives (see [Note: Rank-divergence guard]): a RuntimeError,
@@ -166,7 +146,7 @@ def group_timeout(group: Any) -> timedelta:
 
 
 class RankGuard:
-    """One root's guard: its gloo group and what it counted."""
+    """One root's guard: its links and what it counted."""
 
     def __init__(self, root: RootState) -> None:
         top = root.unit._unit_state
@@ -178,14 +158,10 @@ class RankGuard:
             ranks = {r for group in theirs for r in group}
         self.ranks = sorted(ranks)
         self.hybrid = top.config.replicate_group is not None
-        self.group = None
         self.key = _guard_key(self.ranks)
         self.label = f"{type(top.wrapped_module).__name__} (the model wrapped {_ordinal(int(self.key.rsplit('/', 1)[1]) + 1)})"
         # See [Note: The guard under a fake process group].
         self.simulated = dist.get_backend(top.config.process_group) == "fake"
-        if len(self.ranks) > 1:
-            self.group = (top.config.process_group if self.simulated else
-                          _guard_group(self.key, self.ranks, group_timeout(top.config.process_group)))
         self.forwards = 0
         self._model: tuple[list[int], list[Any]] | None = None
         self._links: list[Any] = []
@@ -228,7 +204,7 @@ class RankGuard:
     @torch._disable_dynamo  # (a compiled forward calls it as it is, a graph break as at every collective; see [Note: Lazy dynamo])
     def check(self, root: RootState, phase: str) -> None:
         """Collective over the root's ranks: raises RankDivergenceError on every rank if any differs."""
-        if self.group is None:
+        if len(self.ranks) < 2:
             return
         grad = torch.is_grad_enabled() if phase in ("forward", "backward") else False
         no_sync = not root.unit._unit_state.sync_gradients
@@ -240,12 +216,12 @@ class RankGuard:
         try:
             with collective_range(f"rank_guard exchange ({phase})"):
                 low, high = self._min_max(mine, f"its peers before {doing} (the rank-divergence guard's exchange)")
-        except RankDivergenceError:
+        except (RankDivergenceError, _stall_watch.PeerGoneError):
             raise
         except RuntimeError as e:
             instead = _stall_watch.failed(f"its peers before {doing} (the rank-divergence guard's exchange)", str(e))
             if instead:  # the group was given up, or a peer is gone: say so (see [Note: Stalled waits])
-                raise RankDivergenceError(instead) from e
+                raise _stall_watch.error_for(instead) from e
             raise RankDivergenceError(
                 f"flatshard: rank {dist.get_rank()} waited for its peers before {doing} (the "
                 f"rank-divergence guard), and they did not all come within the group's timeout: a peer is stuck "
@@ -255,7 +231,8 @@ class RankGuard:
             return
         mine_readable = {"phase": phase, "doing": doing, "forwards": self.forwards, "grad": grad, "no_sync": no_sync,
                          "model": description}
-        message = _explain(self.ranks, _all_gather_objects(self.group, mine_readable))
+        with collective_range("rank_guard exchange (descriptions)"):
+            message = _explain(self.ranks, self._gather_descriptions(mine_readable))
         # Every rank raises here, from the same maximum: they agree on the count from now on, so that a loop that
         # catches the error and skips the batch on every rank goes on (see [Note: Recovering from a divergence]).
         self.forwards = high[1]
@@ -281,6 +258,27 @@ class RankGuard:
                 low, high = list(theirs[:_WIDTH]), list(theirs[_WIDTH:])
             # "give": the partner takes this rank's result
         return low, high
+
+    def _gather_descriptions(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's readable description, in rank order, once a divergence was found: over the guard's links,
+        in the rounds of its exchange, each message the distinct descriptions met so far and which ranks hold
+        each (a few, however many ranks: most hold the same), so that the error path needs no group of its own."""
+        if self.simulated:
+            return [mine] * len(self.ranks)
+        held: dict[bytes, set[int]] = {pickle.dumps(mine): {dist.get_rank()}}
+
+        def wait(ready: Callable[[float], bool]) -> None:
+            _stall_watch.wait(ready, "its peers' descriptions (the rank-divergence guard's exchange)")
+
+        for kind, link in self._rounds:
+            theirs = pickle.loads(_swap_sized(link, pickle.dumps([(d, sorted(r)) for d, r in held.items()]), wait))
+            if kind == "combine":
+                for description, ranks in theirs:
+                    held.setdefault(description, set()).update(ranks)
+            elif kind == "take":
+                held = {description: set(ranks) for description, ranks in theirs}
+        by_rank = {rank: pickle.loads(d) for d, ranks in held.items() for rank in ranks}
+        return [by_rank[rank] for rank in self.ranks]
 
     def counted_forward(self) -> None:
         self.forwards += 1

@@ -36,7 +36,8 @@ this one is not recoverable: a process that raised it refuses every later forwar
 or state-dict call of its models with ProcessGroupGivenUpError (a RuntimeError, not a
 RankDivergenceError, so that a loop catching divergences to skip a batch ends), which names
 the first error, rather than issue collectives that would pair with the abandoned ones. A peer whose connection
-closed (its process died) is named by a roll call: the ranks that answer within
+closed (its process died) is named by a roll call, and raised as PeerGoneError (a RuntimeError, not a
+RankDivergenceError either): the ranks that answer within
 ROLL_CALL_SECONDS are alive, the others are gone. A live rank answers at its next look if it
 waits in flatshard, and from its heartbeat otherwise (a rank blocked in a collective of its
 own, or busy in its own code), so the call waits a few heartbeats, not one look.
@@ -76,6 +77,20 @@ _GIVEN_UP = ("The process group now holds collectives that will never pair: end 
 _ORDER = {"forward": 0, "backward": 1}  # other phases (state_dict() and the like) come after both
 
 
+# A peer gone while this rank waited for it (see flatshard::PeerGone in csrc/flatshard/collectives.h): a
+# RuntimeError that is not a RankDivergenceError, raised from C++ waits and Python ones alike.
+PeerGoneError = _C.PeerGoneError
+
+
+class _Gone(str):
+    """A verdict that a peer is gone: raised as PeerGoneError, not RankDivergenceError."""
+
+
+def error_for(verdict: str) -> RuntimeError:
+    """The exception a verdict is raised as."""
+    return PeerGoneError(verdict) if isinstance(verdict, _Gone) else _C.RankDivergenceError(verdict)
+
+
 class ProcessGroupGivenUpError(RuntimeError):
     """This process's group was given up (a stalled wait's verdict): no flatshard collective can run on it again.
     Not a RankDivergenceError, so that a loop that catches divergences to skip a batch stops here."""
@@ -107,7 +122,7 @@ _watch = _Watch()
 
 def attach(guard: RankGuard) -> None:
     """Called when a root's guard is made (collective-free): the store, this rank's key, the C++ hook."""
-    if guard.simulated or guard.group is None:
+    if guard.simulated or len(guard.ranks) < 2:
         return
     default_store = dist.distributed_c10d._get_default_store()
     if _watch.active and _watch.default_store is not default_store:  # the job made its process group anew
@@ -177,17 +192,17 @@ def wait(ready: Callable[[float], bool], what: str) -> None:
         slice_ = EVERY_SECONDS
         verdict = _given_up(_look(what, waited, waiting="guard"))
         if verdict:
-            raise _C.RankDivergenceError(verdict)
+            raise error_for(verdict)
 
 
-def _on_stall(what: str, waited: float, error: str) -> str:
-    """The C++ hook: a collective of the runtime's has waited ``waited`` seconds, or failed with ``error``."""
+def _on_stall(what: str, waited: float, error: str) -> tuple[str, bool]:
+    """The C++ hook: a collective of the runtime's has waited ``waited`` seconds, or failed with ``error``. Answers
+    (verdict or "", whether it is that a peer is gone)."""
     try:
-        if error:
-            return failed(what, error)
-        return _given_up(_look(what, waited, waiting="collective"))
+        verdict = failed(what, error) if error else _given_up(_look(what, waited, waiting="collective"))
     except Exception:  # noqa: BLE001 (a failed look must not turn into an error of the wait)
-        return ""
+        return "", False
+    return str(verdict), isinstance(verdict, _Gone)
 
 
 def failed(what: str, error: str) -> str:
@@ -198,9 +213,10 @@ def failed(what: str, error: str) -> str:
     try:
         return _given_up(_failed(what, error))
     except Exception as store_error:  # noqa: BLE001 (the store is unreachable: its host ended)
-        return _given_up(f"flatshard: rank {_watch.rank}'s wait for {what} failed ({error.splitlines()[0][:300]}), and the "
-                f"job's store is unreachable too ({str(store_error).splitlines()[0][:200]}): the process that hosts "
-                f"it (rank 0, unless torchrun's agent hosts it) has ended. {_GIVEN_UP}")
+        return _given_up(_Gone(
+            f"flatshard: rank {_watch.rank}'s wait for {what} failed ({error.splitlines()[0][:300]}), and the job's "
+            f"store is unreachable too ({str(store_error).splitlines()[0][:200]}): the process that hosts it (rank 0, "
+            f"unless torchrun's agent hosts it) has ended. {_GIVEN_UP}"))
 
 
 def _failed(what: str, error: str) -> str:
@@ -280,9 +296,9 @@ def _gone(what: str, happened: str, error: str) -> str:
     """A peer's process ended: who is gone, by a roll call."""
     gone = roll_call(_watch.position.get("ranks") or [])
     who = (_ranks_text(gone) + (" is" if len(gone) == 1 else " are") + " gone" if gone else "a peer is gone")
-    return (f"flatshard: rank {_watch.rank} {happened}: {who} (its connection closed: the process ended, e.g. killed "
-            f"or out of memory; ranks that did not answer a roll call within {ROLL_CALL_SECONDS:.0f} s). The job "
-            f"cannot go on without it: restart it from the last checkpoint. ({error})")
+    return _Gone(f"flatshard: rank {_watch.rank} {happened}: {who} (its connection closed: the process ended, e.g. "
+                 f"killed or out of memory; ranks that did not answer a roll call within {ROLL_CALL_SECONDS:.0f} s). "
+                 f"The job cannot go on without it: restart it from the last checkpoint. ({error})")
 
 
 def _look(what: str, waited: float, waiting: str) -> str:
