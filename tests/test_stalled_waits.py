@@ -290,3 +290,93 @@ def test_a_slow_rank_is_waited_for_not_called_gone():
     plain = run_distributed(_not_slowed, 2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
     for rank in range(2):
         assert slowed[rank] == pytest.approx(plain[rank], rel=1e-6, abs=1e-7), (slowed, plain)
+
+
+def _counting_store_class():
+    import torch.distributed as dist
+
+    class CountingStore(dist.Store):
+        """The job's store (a FileStore), counting the operations made on it (not those of the heartbeat's own
+        client, which waits on one key: see [Note: A quiet heartbeat])."""
+
+        def __init__(self, path: str, world_size: int) -> None:
+            super().__init__()
+            self.inner = dist.FileStore(path, world_size)
+            self.operations = 0
+
+        def _count(self, name, *args):
+            self.operations += 1
+            return getattr(self.inner, name)(*args)
+
+        def set(self, key, value):
+            return self._count("set", key, value)
+
+        def get(self, key):
+            return self._count("get", key)
+
+        def add(self, key, amount):
+            return self._count("add", key, amount)
+
+        def check(self, keys):
+            return self._count("check", keys)
+
+        def compare_set(self, key, expected, desired):
+            return self._count("compare_set", key, expected, desired)
+
+        def delete_key(self, key):
+            return self._count("delete_key", key)
+
+        def num_keys(self):
+            return self._count("num_keys")
+
+        def multi_get(self, keys):
+            return self._count("multi_get", keys)
+
+        def multi_set(self, keys, values):
+            return self._count("multi_set", keys, values)
+
+        def wait(self, keys, timeout=None):
+            return self._count("wait", keys) if timeout is None else self._count("wait", keys, timeout)
+
+        def set_timeout(self, timeout):
+            return self.inner.set_timeout(timeout)
+
+        def clone(self):  # (the heartbeat's own client: a FileStore on the same file, uncounted)
+            return self.inner.clone()
+
+    return CountingStore
+
+
+def _healthy_steps_store_operations(rank, world_size, path):
+    """The job's process group made anew over a store that counts its operations: a few steps (the guard and its
+    links set up, the stall watch attached), then more steps, whose store operations are counted."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    store = _counting_store_class()(path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        _step(model, opt, step, rank, world_size)
+    dist.barrier()
+    before = store.operations
+    for step in range(2, 8):
+        _step(model, opt, step, rank, world_size)
+    time.sleep(2.5)  # (a second heartbeat, were there one: not a timing assertion, what happens in it is counted)
+    from flatshard import _stall_watch
+
+    assert _stall_watch._watch.waits_quietly  # (the heartbeat's own client, not a slow poll of the job's store)
+    return store.operations - before
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_healthy_job_makes_no_store_operations(world_size, tmp_path):
+    """[Note: A quiet heartbeat]: after the first steps, steps and idle seconds of a healthy job make no operation
+    on the job's store (the heartbeats wait on their alarm keys, each through one pending wait of its own)."""
+    counts = run_distributed(_healthy_steps_store_operations, world_size, str(tmp_path / "store"),
+                             timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    assert counts == [0] * world_size, counts

@@ -25,8 +25,9 @@ slowness:
 - waiting in the guard of a phase every rank must call (``state_dict()``, say) while a peer,
   not in any phase of that model since, has issued more collectives on the default process
   group than this rank: it is inside a collective of its own (the rank-0-only save followed by
-  ``dist.barrier()``). Each rank's heartbeat (a thread, every HEARTBEAT_SECONDS) publishes that
-  count and its position, since a rank blocked in torch's collective cannot publish anything;
+  ``dist.barrier()``). Each rank's heartbeat (a thread) publishes that count and its position,
+  since a rank blocked in torch's collective cannot publish anything: every HEARTBEAT_SECONDS,
+  but only once some rank's wait has stalled (see [Note: A quiet heartbeat]);
   the blocked rank itself cannot raise (its thread is inside torch's barrier): its heartbeat
   prints the reason, and its collective fails when the raising rank's process ends.
 A rank that reaches a verdict raises RankDivergenceError and marks the group poisoned in the
@@ -58,6 +59,7 @@ import json
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
@@ -110,6 +112,8 @@ class _Watch:
         self.suspect: tuple[Any, ...] | None = None  # a verdict seen at the last look, not yet confirmed
         self.told = False  # the heartbeat printed the group's poisoning
         self.heart: threading.Thread | None = None
+        self.alarmed = False  # this process raised its peers' alarms (see [Note: A quiet heartbeat])
+        self.waits_quietly = False  # the heartbeat waits through a client of its own (see [Note: A quiet heartbeat])
         self.stop = threading.Event()
 
     @property
@@ -259,12 +263,74 @@ def _beat() -> str:
     return json.dumps({"collectives": _world_collectives(), "position": _watch.position, "t": time.time()})
 
 
+# [Note: A quiet heartbeat]
+# While training is healthy the watch makes no store operation at all: each rank's heartbeat
+# thread blocks on one key of its own, ``alarm/<rank>``, through a store client of its own
+# (``Store.clone()``: a second connection to the job's TCPStore, the same file for a FileStore), so
+# that the wait holds neither the main thread's client nor any server time but one pending
+# request (renewed every ALARM_WAIT_SECONDS). A rank whose wait stalls past FIRST_SECONDS sets the alarm key of every
+# peer of its model once (``_raise_alarm``; O(W) operations, on that path only); from then on the
+# heartbeats publish and look every HEARTBEAT_SECONDS as the verdicts need. A store that has no
+# second client (another Store class) keeps the heartbeat beating every ALARM_POLL_SECONDS until
+# an alarm (``_watch.waits_quietly`` says which). At exit a rank sets its own alarm key, so that its thread is not inside the store's
+# C++ wait when the interpreter ends.
+ALARM_WAIT_SECONDS = 300.0
+ALARM_POLL_SECONDS = 10.0
+
+
+def _second_client() -> Any:
+    """A client of its own to the job's store (``Store.clone``: a second connection to a TCPStore, the same file for
+    a FileStore), so that the heartbeat's blocking wait holds neither the main thread's client nor its lock; None
+    for a store that cannot be cloned."""
+    try:
+        return dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store().clone())
+    except Exception:  # noqa: BLE001 (a store class without clone())
+        return None
+
+
+def _wait_for_alarm() -> bool:
+    """Blocks until this rank's alarm is raised (True), or the watch stops (False). No store operation but the one
+    pending wait (see [Note: A quiet heartbeat])."""
+    key = f"alarm/{_watch.rank}"
+    client = _second_client()
+    _watch.waits_quietly = client is not None
+    while not _watch.stop.is_set():
+        if client is None:  # poll, slowly
+            if _watch.stop.wait(ALARM_POLL_SECONDS):
+                return False
+            try:
+                if _watch.store.check([key]):
+                    return True
+            except Exception:  # noqa: BLE001 (the store is gone: the job is ending)
+                return False
+            continue
+        try:
+            client.wait([key], timedelta(seconds=ALARM_WAIT_SECONDS))
+            return not _watch.stop.is_set()
+        except Exception as e:  # noqa: BLE001
+            if "time" not in str(e).lower():  # (not the wait's timeout: the store is gone, the job is ending)
+                return False
+    return False
+
+
+def _raise_alarm(ranks: list[int]) -> None:
+    """Wakes the heartbeats of ``ranks`` (once per process): a wait of this rank stalled."""
+    if _watch.alarmed:
+        return
+    _watch.alarmed = True
+    for rank in ranks:
+        _watch.store.set(f"alarm/{rank}", "1")
+
+
 def _heartbeat() -> None:
-    """This rank's default-group collective count and position, every HEARTBEAT_SECONDS (see the Note); prints the
-    group's poisoning once, for a main thread blocked outside flatshard. Ends with the store."""
+    """Once a peer's wait stalled (see [Note: A quiet heartbeat]): this rank's default-group collective count and
+    position, every HEARTBEAT_SECONDS; prints the group's poisoning once, for a main thread blocked outside
+    flatshard. Ends with the store."""
+    if not _wait_for_alarm():
+        return
     store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
     answered = False
-    while not _watch.stop.wait(HEARTBEAT_SECONDS):
+    while True:
         try:
             store.set(f"beat/{_watch.rank}", _beat())
             if not _watch.told and int(store.add("poisoned", 0)):
@@ -276,12 +342,20 @@ def _heartbeat() -> None:
                 answered = True
         except Exception:  # noqa: BLE001 (the store is gone: the job is ending)
             return
+        if _watch.stop.wait(HEARTBEAT_SECONDS):
+            return
 
 
 def _stop_heartbeat() -> None:
     """At exit, before the interpreter's finalization: a daemon thread woken then, inside the store's C++ code, would
-    be ended by a forced unwind through it, which aborts the process (std::terminate)."""
+    be ended by a forced unwind through it, which aborts the process (std::terminate). Its own alarm wakes it from
+    its wait (see [Note: A quiet heartbeat])."""
     _watch.stop.set()
+    if _watch.store is not None and _watch.heart is not None and _watch.heart.is_alive():
+        try:
+            _watch.store.set(f"alarm/{_watch.rank}", "1")
+        except Exception:  # noqa: BLE001 (the store is gone: so is the thread's wait)
+            pass
     if _watch.heart is not None:
         _watch.heart.join(timeout=2 * HEARTBEAT_SECONDS)
 
@@ -316,6 +390,7 @@ def _look(what: str, waited: float, waiting: str) -> str:
     if "root" not in me:
         return ""
     peers = [r for r in me["ranks"] if r != _watch.rank]
+    _raise_alarm(peers)  # their heartbeats publish from now on (see [Note: A quiet heartbeat])
     beats = store.multi_get([f"beat/{r}" for r in peers]) if waiting == "guard" else [None] * len(peers)
     for rank, raw, beat in zip(peers, store.multi_get([str(r) for r in peers]), beats):
         theirs = json.loads(raw)
@@ -399,6 +474,7 @@ def roll_call(ranks: list[int]) -> list[int]:
     if not _watch.active:
         return []
     store = _watch.store
+    _raise_alarm([r for r in ranks if r != _watch.rank])  # (a live peer blocked elsewhere answers from its heartbeat)
     store.set("poisoned/gone", "1")
     if int(store.add("poisoned", 1)) == 1:
         store.set("poisoned/1", f"Rank {_watch.rank} lost its connection to a peer (a rank's process ended).")
