@@ -14,6 +14,8 @@ model is not on the meta device). Everything else is the framework's own code.
 from __future__ import annotations
 
 import os
+import warnings
+from typing import Any, Callable
 
 import torch
 
@@ -57,3 +59,35 @@ def force_accelerate_fsdp(state, plugin, full_loads: bool) -> None:
     state.device = PartialState._shared_state["device"] = torch.device("cpu")
     plugin.sync_module_states = full_loads
     state.fsdp_plugin = plugin
+
+
+def torch_then_flatshard(run: Callable[[str], Any]) -> dict[str, Any]:
+    """``run("torch")`` on torch's FSDP, then ``run("flatshard")`` with flatshard's opt-in installed (and uninstalled
+    after), framework warnings silenced: the results by impl."""
+    import flatshard
+
+    got = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for impl in ("torch", "flatshard"):
+            if impl == "flatshard":
+                flatshard.install_as_torch_fsdp()
+            try:
+                got[impl] = run(impl)
+            finally:
+                flatshard.uninstall_as_torch_fsdp()
+    return got
+
+
+def accelerate_train(acc, model, opt, batches) -> list[torch.Tensor]:
+    """accelerate's gradient-accumulation loop over ``batches`` (token ids, their own labels): each micro-batch's
+    loss."""
+    losses = []
+    for ids in batches:
+        with acc.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.detach().float())
+    return losses

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from _frameworks import force_accelerate_fsdp, reset_accelerate, set_launcher_environment, tiny_llama
+from _frameworks import accelerate_train, force_accelerate_fsdp, reset_accelerate, set_launcher_environment, tiny_llama
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -67,18 +67,6 @@ def _full_state_dict(acc, model, impl):
     return state if torch.distributed.get_rank() == 0 else {}
 
 
-def _train(acc, model, opt, batches):
-    losses = []
-    for ids in batches:
-        with acc.accumulate(model):
-            loss = model(input_ids=ids, labels=ids).loss
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.detach().float())
-    return losses
-
-
 def _run(rank, world_size, use_orig_params, state_dict_type, ckpt_dir, impl):
     acc = _accelerator(rank, world_size, use_orig_params, state_dict_type)
     g = torch.Generator().manual_seed(1234)
@@ -88,9 +76,9 @@ def _run(rank, world_size, use_orig_params, state_dict_type, ckpt_dir, impl):
     model = acc.prepare(tiny_llama())
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
     kind = (type(model).__name__, getattr(model, "_is_flatshard_unit", False))
-    losses = _train(acc, model, opt, batches[:STEPS])
+    losses = accelerate_train(acc, model, opt, batches[:STEPS])
     acc.save_state(ckpt_dir)
-    losses += _train(acc, model, opt, batches[STEPS:])
+    losses += accelerate_train(acc, model, opt, batches[STEPS:])
     full = {k: v.float().clone() for k, v in _full_state_dict(acc, model, impl).items()}
     acc.wait_for_everyone()
 
@@ -98,7 +86,7 @@ def _run(rank, world_size, use_orig_params, state_dict_type, ckpt_dir, impl):
     model2 = acc2.prepare(tiny_llama())
     opt2 = acc2.prepare(torch.optim.AdamW(model2.parameters(), lr=1e-2))
     acc2.load_state(ckpt_dir)
-    resumed = _train(acc2, model2, opt2, batches[STEPS:])
+    resumed = accelerate_train(acc2, model2, opt2, batches[STEPS:])
     out = torch.stack(losses + resumed)
     torch.distributed.all_reduce(out)
     return {"class": kind, "losses": (out / world_size).tolist(), "full": full}
@@ -113,7 +101,7 @@ def _upcast_run(rank, world_size, use_orig_params):
     model = acc.prepare(tiny_llama().to(torch.bfloat16))
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    out = torch.stack(_train(acc, model, opt, batches))
+    out = torch.stack(accelerate_train(acc, model, opt, batches))
     torch.distributed.all_reduce(out)
     return {"dtypes": dtypes, "losses": (out / world_size).tolist()}
 

@@ -18,13 +18,13 @@ tests/_frameworks.py.
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
 
 from _dist import run_distributed
-from _frameworks import force_accelerate_fsdp, reset_accelerate, set_launcher_environment, tiny_llama
+from _frameworks import (accelerate_train, force_accelerate_fsdp, reset_accelerate, set_launcher_environment,
+                         tiny_llama, torch_then_flatshard)
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -52,18 +52,6 @@ def _prepare(acc, model):
     return acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 
-def _train(acc, model, opt, batches):
-    losses = []
-    for ids in batches:
-        with acc.accumulate(model):
-            loss = model(input_ids=ids, labels=ids).loss
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.detach().float())
-    return losses
-
-
 def _is_flatshard(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -78,16 +66,16 @@ def _run(rank, world_size, state_dict_type, ckpt_dir):
     batches = [ids.chunk(world_size)[rank] for ids in torch.randint(0, 128, (STEPS, 8, 16), generator=g)] * 2
     model, opt = _prepare(acc, tiny_llama(tie_word_embeddings=True))
     kind = (type(model).__name__, _is_flatshard(model))
-    losses = _train(acc, model, opt, batches[:STEPS])
+    losses = accelerate_train(acc, model, opt, batches[:STEPS])
     acc.save_state(ckpt_dir)
-    losses += _train(acc, model, opt, batches[STEPS:])
+    losses += accelerate_train(acc, model, opt, batches[STEPS:])
     full = {k: v.float().clone() for k, v in acc.get_state_dict(model).items()}
     acc.wait_for_everyone()
 
     acc2 = _accelerator(rank, world_size, state_dict_type)
     model2, opt2 = _prepare(acc2, tiny_llama(tie_word_embeddings=True))
     acc2.load_state(ckpt_dir)
-    resumed = _train(acc2, model2, opt2, batches[STEPS:])
+    resumed = accelerate_train(acc2, model2, opt2, batches[STEPS:])
     out = torch.stack(losses + resumed)
     torch.distributed.all_reduce(out)
     return {"class": kind, "losses": (out / world_size).tolist(), "full": full}
@@ -106,28 +94,19 @@ def _efficient_loading_run(rank, world_size):
             for p in model.parameters():
                 p.uniform_(-1, 1)
     model, opt = _prepare(acc, model)
-    out = torch.stack(_train(acc, model, opt, batches))
+    out = torch.stack(accelerate_train(acc, model, opt, batches))
     torch.distributed.all_reduce(out)
     return {"class": _is_flatshard(model), "losses": (out / world_size).tolist()}
 
 
 def _both(rank, world_size, tmp):
-    import flatshard
+    def run(impl):
+        got = {state_dict_type: _run(rank, world_size, state_dict_type, os.path.join(tmp, f"{state_dict_type}-{impl}"))
+               for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT")}
+        got["efficient_loading"] = _efficient_loading_run(rank, world_size)
+        return got
 
-    got = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for impl in ("torch", "flatshard"):
-            if impl == "flatshard":
-                flatshard.install_as_torch_fsdp()
-            try:
-                for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-                    got[state_dict_type, impl] = _run(rank, world_size, state_dict_type,
-                                                      os.path.join(tmp, f"{state_dict_type}-{impl}"))
-                got["efficient_loading", impl] = _efficient_loading_run(rank, world_size)
-            finally:
-                flatshard.uninstall_as_torch_fsdp()
-    return got
+    return {(key, impl): value for impl, got in torch_then_flatshard(run).items() for key, value in got.items()}
 
 
 def test_accelerate_fsdp2_bf16_accumulate_save_load_and_efficient_loading_as_torch_fsdp2(tmp_path):

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -108,19 +107,9 @@ def _transformers_plan(rank, world_size, path):
 
 
 def _both(rank, world_size, tmp, script):
-    import flatshard
+    from _frameworks import torch_then_flatshard
 
-    got = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for impl in ("torch", "flatshard"):
-            if impl == "flatshard":
-                flatshard.install_as_torch_fsdp()
-            try:
-                got[impl] = script(rank, world_size, os.path.join(tmp, impl))
-            finally:
-                flatshard.uninstall_as_torch_fsdp()
-    return got
+    return torch_then_flatshard(lambda impl: script(rank, world_size, os.path.join(tmp, impl)))
 
 
 def test_torchtitan_style_loop_runs_on_flatshard_through_the_opt_in(tmp_path):
