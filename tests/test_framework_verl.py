@@ -30,13 +30,12 @@ tensordict, omegaconf: see scripts/_setup.sh).
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 
 from _dist import run_distributed
-from _frameworks import tiny_llama
+from _frameworks import tiny_llama, torch_then_flatshard
 
 RTOL, ATOL = 1e-5, 1e-7
 
@@ -131,20 +130,17 @@ def _sharded_export(rank, world_size, use_orig_params):
 def _both(rank, world_size, use_orig_params):
     import flatshard
 
-    got = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for impl in ("torch", "flatshard"):
-            if impl == "flatshard":
-                flatshard.install_as_torch_fsdp()
-            try:
-                got[impl] = _ppo_like(rank, world_size, use_orig_params)
-                got[impl]["is_flatshard"] = flatshard.is_active()
-                if impl == "flatshard":
-                    got["lora"], got["lora_expected"] = _lora(rank, world_size, use_orig_params)
-                    got["export"], got["export_expected"] = _sharded_export(rank, world_size, use_orig_params)
-            finally:
-                flatshard.uninstall_as_torch_fsdp()
+    def run(impl):
+        got = _ppo_like(rank, world_size, use_orig_params)
+        got["is_flatshard"] = flatshard.is_active()
+        if impl == "flatshard":
+            got["lora"], got["lora_expected"] = _lora(rank, world_size, use_orig_params)
+            got["export"], got["export_expected"] = _sharded_export(rank, world_size, use_orig_params)
+        return got
+
+    got = torch_then_flatshard(run)
+    for key in ("lora", "lora_expected", "export", "export_expected"):
+        got[key] = got["flatshard"].pop(key)
     return got
 
 
