@@ -75,6 +75,10 @@ def headline(results: dict) -> list[tuple[str, str]]:
             for peer in ("fsdp2", "flatshard"):
                 rows.append((f"`{workload}` W={w}: {LABELS['flatshard-fs']} step time / {LABELS[peer]}",
                              _ratio(fs2, _median(gpt, peer)) if fs2 and _median(gpt, peer) else _failed(gpt, peer)))
+                fb, other = (gpt["peers"].get(p, {}).get("forward_backward_ms") for p in ("flatshard-fs", peer))
+                if fb and other:  # (see [Note: The forward and backward alone])
+                    rows.append((f"`{workload}` W={w}: {LABELS['flatshard-fs']} forward + backward / {LABELS[peer]}",
+                                 _ratio(fb, other)))
     elif any("gpt" in runs for runs in timing.values()):
         rows.append(("`gpt` W≥2 step-time ratios", "not run here (one device)"))
     if "1" in timing:
@@ -92,6 +96,9 @@ def headline(results: dict) -> list[tuple[str, str]]:
             value = (f"{entry['overhead_us_per_unit']:.0f} µs" if _ok(entry) and "overhead_us_per_unit" in entry
                      else _failed(msu, peer))
             rows.append((f"`many-small-units` W={w}: overhead per unit per step, {LABELS[peer]}", value))
+            if _ok(entry) and "forward_backward_overhead_us_per_unit" in entry:  # ([Note: The forward and backward
+                rows.append((f"`many-small-units` W={w}: forward + backward overhead per unit, {LABELS[peer]}",  # alone])
+                             f"{entry['forward_backward_overhead_us_per_unit']:.0f} µs"))
     large = timing.get("1", {}).get("gpt-large")
     if large is not None:
         fs = _median(large, "flatshard")

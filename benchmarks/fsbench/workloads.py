@@ -8,6 +8,8 @@ max over ranks).
 from __future__ import annotations
 
 import gc
+import statistics
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -79,6 +81,12 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
 
     local_batches = [tuple(t.to(ctx.device) for t in local_slice(b, ctx.rank, ctx.world_size)) for b in batches]
     transient = dict.fromkeys(peers, 0)
+    # [Note: The forward and backward alone]
+    # A step is forward + backward + the optimizer's step; the optimizer is the same code for every peer that
+    # steps the same kind of tensors (FSDP2 and fully_shard: DTensors, one at a time on a CPU where torch's
+    # optimizers have no foreach kernels). On the CPU each step's forward + backward is also timed alone (this
+    # rank's host time: the device is the host), so that the sharding's own overhead shows apart from it.
+    forward_backward = {name: [] for name in peers}
 
     def step(name: str, i: int) -> None:
         # [Note: Peak memory of a timed peer]
@@ -90,7 +98,13 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
         if ctx.is_cuda:
             start = torch.cuda.memory_allocated(ctx.device)
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        peers[name].step(*local_batches[i % len(local_batches)])
+        if ctx.is_cuda:
+            peers[name].step(*local_batches[i % len(local_batches)])
+        else:
+            t0 = time.perf_counter()
+            peers[name].forward_backward(*local_batches[i % len(local_batches)])
+            forward_backward[name].append(time.perf_counter() - t0)
+            peers[name].optimizer_step()
         if ctx.is_cuda:
             transient[name] = max(transient[name], torch.cuda.max_memory_allocated(ctx.device) - start)
 
@@ -105,12 +119,17 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
         stats = summarize(samples[name])
         entry.update(status="ok", time=stats, samples_ms=[s * 1e3 for s in samples[name]],
                      tokens_per_s=tokens / (stats["median_ms"] / 1e3))
+        if forward_backward[name]:  # (see [Note: The forward and backward alone]; warm-up steps left out)
+            entry["forward_backward_ms"] = statistics.median(forward_backward[name][cfg.plan.warmup:]) * 1e3
         if ctx.is_cuda:
             entry["peak_bytes"] = entry["state_bytes"] + transient[name]
     local = entries.get("local", {}).get("time")
+    local_fb = entries.get("local", {}).get("forward_backward_ms")
     for entry in entries.values():
         if "time" in entry and local is not None:
             entry["overhead_us_per_unit"] = (entry["time"]["median_ms"] - local["median_ms"]) * 1e3 / spec.n_units
+        if "forward_backward_ms" in entry and local_fb is not None:
+            entry["forward_backward_overhead_us_per_unit"] = (entry["forward_backward_ms"] - local_fb) * 1e3 / spec.n_units
     model = spec.build()
     return {
         "workload": cfg.workload,
