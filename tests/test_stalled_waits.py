@@ -380,3 +380,22 @@ def test_a_healthy_job_makes_no_store_operations(world_size, tmp_path):
     counts = run_distributed(_healthy_steps_store_operations, world_size, str(tmp_path / "store"),
                              timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
     assert counts == [0] * world_size, counts
+
+
+def _sequence_numbers(rank, world_size):
+    import torch.distributed as dist
+
+    from flatshard import _stall_watch
+
+    before = _stall_watch._world_collectives()
+    dist.all_reduce(torch.ones(1))
+    dist.barrier()
+    return before, _stall_watch._world_collectives()
+
+
+def test_the_private_c10d_sequence_number_the_watch_reads_still_counts_collectives():
+    """The stall watch reads c10d's private per-group sequence number (``_get_sequence_number_for_group``, see
+    ``_stall_watch._world_collectives``) to tell a rank blocked in a collective of its own: if torch renames it or
+    stops counting, this fails (the watch would quietly lose that verdict: it reads -1 then)."""
+    for before, after in run_distributed(_sequence_numbers, 2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT):
+        assert before >= 0 and after == before + 2, (before, after)
