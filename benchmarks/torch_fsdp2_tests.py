@@ -283,7 +283,9 @@ def run_file(test_file: Path, impl: str, args: argparse.Namespace, workdir: Path
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the machine's cores
 
     cmd = [sys.executable, "-m", "pytest", str(test_file), "-p", "torch_fsdp2_tests",
-           "-p", "no:cacheprovider", "-q", "-rN", "--tb=long"]
+           "-p", "no:cacheprovider", "-q", "-rN", "--tb=long",
+           # (this module is imported by sitecustomize before pytest could rewrite it: harmless)
+           "-W", "ignore::pytest.PytestAssertRewriteWarning"]
     if _have_pytest_timeout():
         cmd += [f"--timeout={args.timeout}"]
     if args.k:
