@@ -343,6 +343,51 @@ def test_register_fsdp_forward_method_as_torch():
         assert all(torch.equal(a, b) for a, b in zip(f_grads, t_grads)), rank
 
 
+def _units_on_their_own(rank: int, world_size: int) -> dict:
+    """Two scripts of torch's own FSDP2 tests (test_non_root_forward_backward, test_register_fsdp_forward_method):
+    after a step and zero_grad, a backward through one inner unit called on its own (the other units keep None
+    gradients, not the last step's); and a registered method of a unit that takes the place of its forward (its
+    parameters get their gradients). Each run with torch's FSDP2 and flatshard's."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    out = {}
+    for impl in ("torch", "flatshard"):
+        model = _build(impl, "reshard_after_forward=None")
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=0), rank, world_size)
+        gpt_loss(model, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        x = torch.randn(*tokens.shape, 16, generator=torch.Generator().manual_seed(rank))  # (the block's own input)
+        model.blocks[0](x).sum().backward()
+        got = {n: None if p.grad is None else _local(p.grad).clone() for n, p in model.named_parameters()}
+
+        block = model.blocks[1]
+        block.features = block.forward  # a method in the place of forward: what the wrapper must gather and track
+        register_fsdp_forward_method(block, "features")
+        opt.zero_grad()
+        block.features(x).sum().backward()
+        got_method = {n: None if p.grad is None else _local(p.grad).clone() for n, p in block.named_parameters()}
+        out[impl] = (got, got_method)
+    return out
+
+
+def test_inner_units_on_their_own_and_registered_methods_as_torch():
+    for rank, out in enumerate(run_distributed_ranks(_units_on_their_own, 2)):
+        for which, (ours, theirs) in enumerate(zip(out["flatshard"], out["torch"])):
+            assert ours.keys() == theirs.keys()
+            for name, want in theirs.items():
+                have = ours[name]
+                assert (have is None) == (want is None), f"rank {rank}, script {which}, {name}: {have} vs torch's {want}"
+                assert have is None or torch.equal(have, want), f"rank {rank}, script {which}, {name}"
+
+
+def run_distributed_ranks(fn, world_size):
+    from _dist import run_distributed
+
+    return run_distributed(fn, world_size, timeout=120)
+
+
 def _reshard_setter(rank: int, world_size: int) -> dict:
     """set_reshard_after_forward(False) then (True), between steps: what each forward keeps, and the training."""
     out = {}
@@ -388,9 +433,10 @@ def _refusals(rank: int, world_size: int) -> None:
         return make_gpt(vocab=VOCAB, seq=SEQ)
 
     refusals = [
-        (dict(mesh=init_device_mesh("cpu", (1, 2, 2))), r"a 3-D mesh \(1, 2, 2\): flatshard takes a 1-D mesh"),
         (dict(shard_placement_fn=lambda p: Shard(1)), "gives Shard\\(1\\) for parameter 'pos'"),
     ]
+    with pytest.raises(ValueError, match=r"fully_shard expects a 1D or 2D DeviceMesh but got .*a 3-D mesh \(1, 2, 2\)"):
+        fully_shard(fresh(), mesh=init_device_mesh("cpu", (1, 2, 2)))
     for kwargs, message in refusals:
         with pytest.raises(NotImplementedError, match=message):
             fully_shard(fresh(), **kwargs)
@@ -414,8 +460,23 @@ def _refusals(rank: int, world_size: int) -> None:
         fully_shard([twice.ln_f, twice.ln_f])
     model = fresh()
     fully_shard(model)
-    with pytest.raises(ValueError, match="GPT is already sharded"):
+    with pytest.raises(AssertionError, match="can only be applied to a module once. fully_shard has already been "
+                                             "applied to FSDPGPT"):
         fully_shard(model)
+    with pytest.raises(ValueError, match="fully_shard doesn't support scalar parameters. Change scale to a 1D tensor"):
+        scalar = nn.Linear(2, 2)
+        scalar.scale = nn.Parameter(torch.tensor(1.0))
+        fully_shard(scalar)
+    with pytest.raises(NotImplementedError, match=r"FSDP does not support non-contiguous parameters yet: .*'weight' "
+                                                  r"of Conv2d"):
+        conv = nn.Conv2d(4, 4, 3)
+        conv.weight = nn.Parameter(conv.weight.detach().to(memory_format=torch.channels_last))
+        fully_shard(conv)
+    with pytest.raises(ValueError, match="fully_shard does not support containers that do not implement forward: "
+                                         "ModuleList"):
+        fully_shard(fresh().blocks)
+    with pytest.raises(AssertionError, match="Please init the 2D mesh for HSDP with mesh_dim_names specified"):
+        fully_shard(fresh(), mesh=init_device_mesh("cpu", (2, 2)))
     top_down = fresh()
     fully_shard(top_down)
     with pytest.raises(ValueError, match=r"parameter 'ln1.weight' is already sharded .* call fully_shard bottom-up"):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard._common import OWNER_ATTR
 from flatshard._config import UnitConfig
 from flatshard._mixed_precision import gradient_divide_factors
 from flatshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
@@ -37,19 +38,43 @@ def _mesh_device(mesh: Any) -> torch.device:
     return torch.device(mesh.device_type)
 
 
+def check_parameters(module: nn.Module, ignored_params: set[nn.Parameter] | None) -> None:
+    """torch's refusals of a parameter fully_shard would manage, by name: a scalar, a non-contiguous one."""
+    ignored = set(ignored_params or ())
+    for pname, p in module.named_parameters():
+        if p in ignored or getattr(p, OWNER_ATTR, None) is not None:  # (an inner unit's)
+            continue
+        if p.ndim == 0:
+            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {pname} to a 1D tensor with numel "
+                             f"equal to 1.")
+        if not p.is_contiguous():
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters yet: param.shape={p.shape} "
+                f"param.stride()={p.stride()} ('{pname}' of {type(module).__name__}, e.g. a channels_last weight: "
+                f"make it contiguous before fully_shard).")
+
+
 def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Callable | None,
                      mp_policy: Any, offload_policy: Any) -> None:
     from torch.distributed.fsdp import OffloadPolicy
     from torch.distributed.tensor import Shard
 
     name = type(module).__name__
-    if mesh.ndim not in (1, 2):
-        raise NotImplementedError(f"fully_shard({name}): a {mesh.ndim}-D mesh {tuple(mesh.shape)}: flatshard takes a "
-                                  f"1-D mesh (FSDP) or a 2-D one (HSDP: replicate, shard); not dp_mesh_dims' SPMD "
-                                  f"meshes yet.")
+    if mesh.ndim not in (1, 2):  # (torch's ValueError; an SPMD mesh needs dp_mesh_dims, which flatshard refuses)
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: fully_shard({name}) was given a "
+                         f"{mesh.ndim}-D mesh {tuple(mesh.shape)}; pass a 1-D mesh (FSDP) or a 2-D one (HSDP: "
+                         f"replicate, shard).")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # (torch's AssertionError)
+        raise AssertionError(f"Please init the 2D mesh for HSDP with mesh_dim_names specified (fully_shard({name}): "
+                             f"e.g. init_device_mesh(device, {tuple(mesh.shape)}, mesh_dim_names=(\"replicate\", "
+                             f"\"shard\"))).")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard({name}): offload_policy must be an OffloadPolicy (OffloadPolicy() for none, "
                         f"CPUOffloadPolicy() to keep the shards on the host) but got {type(offload_policy).__name__}.")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        raise ValueError(f"fully_shard does not support containers that do not implement forward: {name} (no hook of "
+                         f"it would ever run); call fully_shard on each of its modules, or on the module that runs "
+                         f"them.")
     if shard_placement_fn is not None:
         for pname, p in module.named_parameters():
             placement = shard_placement_fn(p)

@@ -60,9 +60,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     for m in modules:
         if not isinstance(m, nn.Module):
             raise ValueError(f"fully_shard: expected an nn.Module but got {type(m).__name__}")
-        if is_unit(m):
-            raise ValueError(f"fully_shard: {type(m).__name__} is already sharded (fully_shard was called on it, "
-                             f"or it is a FullyShardedDataParallel); call fully_shard once per module.")
+        if is_unit(m):  # (torch's AssertionError and phrase)
+            raise AssertionError(f"Each distinct composable distributed API can only be applied to a module once. "
+                                 f"fully_shard has already been applied to {type(m).__name__} (or it is a "
+                                 f"FullyShardedDataParallel); call fully_shard once per module.")
+        _fsdp2_config.check_parameters(m, ignored_params)
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard: the list of modules names one module twice")
     config = _fsdp2_config.resolve(modules[0], mesh, reshard_after_forward, shard_placement_fn, mp_policy,
@@ -101,7 +103,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
 
 
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    stale = module._unit_state.forward_call
+    s = module._unit_state
+    if s.in_forward_method:  # a forward inside a registered method's call: part of it (see [Note: Forward methods])
+        s.nested_forwards += 1
+        return args, kwargs
+    stale = s.forward_call
     if stale is not None:  # the last forward ended by a BaseException (KeyboardInterrupt), which skips the hook
         module._unit_state.forward_call = None
         _runtime.end_forward(module, stale[0], None, raised=True)
@@ -117,6 +123,9 @@ def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
 
 def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     s = module._unit_state
+    if s.in_forward_method and s.nested_forwards:  # (see _pre_forward_hook)
+        s.nested_forwards -= 1
+        return output
     started, s.forward_call = s.forward_call, None
     if started is None:  # the pre-forward hook raised: nothing to end
         return output
@@ -287,6 +296,7 @@ class FSDPModule(TorchFSDPModule):
         for unit in root.units:
             us = unit._unit_state
             us.forward_call = None
+            us.in_forward_method, us.nested_forwards = False, 0
             if us.training_state is not TrainingState.IDLE:
                 us.switch("reset")
             if us.handle is not None:
@@ -326,20 +336,28 @@ class FSDPModule(TorchFSDPModule):
 # torch's ``register_fsdp_forward_method(module, "generate")`` (TRL and verl register HF ``generate`` this
 # way) wraps the method to call ``module._get_fsdp_state()._pre_forward`` before it and ``_post_forward``
 # after it, so that code in the method that reads the module's own parameters outside its forward (an
-# embedding looked up, a head applied) sees them unsharded. flatshard's ``FSDPModule`` answers with these
-# two: the unit unsharded before (``unshard()``: lazy init first if the root has not run yet), and resharded
-# after when a forward of it would be (its ``reshard_after_forward``; a root given None keeps them, as
-# torch's). The forwards the method calls run the module's own hooks as always.
+# embedding looked up, a head applied, a ``forward_features`` called in place of ``forward``) sees them
+# unsharded, and gets their gradients. flatshard's ``FSDPModule`` answers with the unit's own forward hooks: the
+# method's call is one forward of the unit (lazy init, the root's checks, the parameters gathered as views autograd
+# tracks, resharded after as a forward would be: a root given None keeps them, as torch's), and the forwards the
+# method runs of the module itself are part of that call (``state.in_forward_method``: their hooks pass). A method
+# called from inside the module's forward is part of that forward. A method that raises leaves the unit in its
+# call, as torch's does: ``reset_iter_state()`` ends it.
 class _ForwardMethodHooks:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        module.unshard()
+        s = module._unit_state
+        if s.forward_call is not None or s.in_forward_method:  # inside the module's forward: part of it
+            return args, kwargs
+        args, kwargs = _pre_forward_hook(module, args, kwargs)
+        s.in_forward_method = True
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         s = module._unit_state
-        if s.handle is not None and s.root is not None and _runtime.reshards_after_forward(s):
-            _runtime.reshard(s, after_forward=True)
-        return output
+        if not s.in_forward_method or s.nested_forwards:
+            return output
+        s.in_forward_method = False
+        return _post_forward_hook(module, args, {}, output)
 
 
 for _name in _NOT_YET:

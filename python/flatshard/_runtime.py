@@ -331,6 +331,12 @@ def begin_forward(unit: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Fo
             f"call it only after its forward returns (call the inner module, or wrap it in a unit of its own).")
     if s.is_root:
         _root_pre_forward(unit)
+    elif not s.root.in_iteration and s.config.dim0_layout:
+        # A fully_shard unit called on its own, outside its root's forward (torch's FSDP2 allows it): the gradients
+        # the user changed since the last iteration are written back for every unit, as the root's forward would (a
+        # zero_grad must not be undone by the end of this backward).
+        for u in s.root.orig_param_units:
+            _orig_params.writeback(u._unit_state)
     if s.is_root or s.forward_input_dtype is not None:
         args, kwargs = _forward_inputs(s, args, kwargs)
     grad_enabled = torch.is_grad_enabled()

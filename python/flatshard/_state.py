@@ -121,6 +121,9 @@ class UnitState:
         "sync_gradients",  # False inside no_sync()
         "forward_call",  # fully_shard: what its forward pre-hook hands its forward hook: (_runtime.ForwardCall,
         # the exception the caller was handling then, or None)
+        "in_forward_method",  # fully_shard: inside a method torch's register_fsdp_forward_method wraps (see [Note:
+        # Forward methods] in _fully_shard.py), whose own forwards are part of its call
+        "nested_forwards",  # how many of those forwards are running now
         "dim0_rows",  # fully_shard: where each parameter's rows are in the shard (_dtensor_params._rows)
         "holds_unsharded",  # inside no_sync(keep_parameters_unsharded=True): nothing reshards (see [Note: no_sync])
         "forward_prefetch_to",  # fully_shard's set_modules_to_forward_prefetch: the units gathered after this one's
@@ -143,6 +146,8 @@ class UnitState:
         self.wrapped_module = module
         self.config = config
         self.group: list[nn.Module] | None = None
+        self.in_forward_method = False
+        self.nested_forwards = 0
         self.forward_prefetch_to: list[UnitState] | None = None
         self.backward_prefetch_to: list[UnitState] | None = None
 
