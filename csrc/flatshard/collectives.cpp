@@ -10,6 +10,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <map>
+#include <sstream>
 #include <mutex>
 #include <optional>
 
@@ -48,9 +49,21 @@ std::map<std::string, std::shared_ptr<GroupCounters>>& counters_by_group() {
   return *registry;
 }
 
+// The group's name; a group without one (torch's threaded test groups, whose getGroupName throws) by its address.
+std::string group_key(const c10d::ProcessGroup& group) {
+  try {
+    std::string name = group.getGroupName();
+    if (!name.empty()) return name;
+  } catch (const c10::Error&) {
+  }
+  std::ostringstream key;
+  key << "unnamed@" << static_cast<const void*>(&group);
+  return key.str();
+}
+
 std::shared_ptr<GroupCounters> counters_of(const c10d::ProcessGroup& group) {
   std::lock_guard<std::mutex> lock(counters_mutex());
-  std::shared_ptr<GroupCounters>& counters = counters_by_group()[group.getGroupName()];
+  std::shared_ptr<GroupCounters>& counters = counters_by_group()[group_key(group)];
   if (!counters) counters = std::make_shared<GroupCounters>();
   return counters;
 }
