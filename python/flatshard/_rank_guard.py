@@ -123,8 +123,12 @@ def _swap_sized(link: Any, data: bytes, wait: Callable) -> bytes:
 RankDivergenceError = _C.RankDivergenceError
 
 
-def mode() -> str:
-    """``off``, ``on`` (the default) or ``strict``, from FLATSHARD_RANK_GUARD."""
+def mode(group: Any = None) -> str:
+    """``off``, ``on`` (the default) or ``strict``, from FLATSHARD_RANK_GUARD; ``off`` over torch's threaded test
+    process group (ranks as threads of one process: the guard, its links and the stall watch are per process, made
+    for a rank per process)."""
+    if group is not None and _is_threaded(group):
+        return "off"
     value = os.environ.get(ENV, "1").strip().lower()
     if value in ("0", "off", "false", "no"):
         return "off"
@@ -133,6 +137,14 @@ def mode() -> str:
     if value in ("1", "on", "true", "yes", ""):
         return "on"
     raise ValueError(f"{ENV}={value!r}: expected 0 (off), 1 (on, the default) or strict")
+
+
+def _is_threaded(group: Any) -> bool:
+    """Whether ``group`` is torch's threaded test process group (torch.testing's ProcessLocalGroup)."""
+    try:
+        return dist.get_backend(group) == "threaded"
+    except Exception:  # noqa: BLE001 (a group torch.distributed does not know)
+        return type(group).__name__ == "ProcessLocalGroup"
 
 
 def group_timeout(group: Any) -> timedelta:

@@ -141,7 +141,7 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
         owned = unit_modules(s.wrapped_module, s.config.ignored_modules, lambda m, u=unit: is_unit(m) and m is not u)
         _mixed_precision.cast_buffers(s, list(owned))
     _exit.register_for_exit(root_state)  # see [Note: Exit] in _exit.py
-    guard_mode = _rank_guard.mode()
+    guard_mode = _rank_guard.mode(top.config.process_group)
     if guard_mode != "off":  # see [Note: Rank-divergence guard]
         root_state.guard = _rank_guard.create(root_state)
         scheduler.set_sequence_check(guard_mode == "strict")
