@@ -1,7 +1,8 @@
 """The HF Trainer and TRL's SFTTrainer on flatshard through the opt-in: with FSDP1 (``fsdp_config={"version": 1}``,
 issue 19) and with their default FSDP2 (accelerate's ``fully_shard`` path, issue 32).
 
-A tiny Llama built from a config, 4 optimizer steps of the Trainer's own loop (its FSDP1 path:
+A tiny Llama built from a config, 4 optimizer steps of the Trainer's own loop (FSDP2's of 2 micro-batches each,
+the Trainer's gradient accumulation; its FSDP1 path:
 accelerate's ``prepare``, its ``FSDP.clip_grad_norm_``, its checkpointing), a checkpoint
 saved at step 2 (FULL_STATE_DICT, model and optimizer through accelerate), then a second
 Trainer resuming from it (``resume_from_checkpoint``). Oracles: torch's FSDP1 running the
@@ -129,7 +130,10 @@ def _check(got):
 def _trainer_runs(rank, world_size, tmp, version):
     from transformers import Trainer, TrainingArguments
 
-    return _runs(rank, world_size, tmp, Trainer, TrainingArguments, lambda: {"train_dataset": _Tokens()}, version)
+    # (FSDP2: two micro-batches per optimizer step, the Trainer's gradient accumulation: its no_sync is FSDP2's
+    # set_requires_gradient_sync)
+    return _runs(rank, world_size, tmp, Trainer, TrainingArguments, lambda: {"train_dataset": _Tokens()}, version,
+                 gradient_accumulation_steps=2 if version == 2 else 1)
 
 
 def test_hf_trainer_fsdp1_trains_saves_and_resumes_as_torch(tmp_path):
