@@ -19,6 +19,16 @@ only a process that can read the job's store can pose as one. A pair whose conne
 cannot be made (a firewall, an unroutable host name) says so in the store, and both
 partners use a two-rank gloo group for that pair instead, as before.
 
+Why links of its own rather than c10d's: torch ships two tools near this. ProcessGroupWrapper
+(TORCH_DISTRIBUTED_DEBUG=DETAIL) checks every collective's fingerprint before it runs, over a gloo
+helper group of all ranks: an all-rank group (W - 1 connections per rank) and a check per
+collective, which is the cost this guard's per-phase design avoids (its strict mode is the
+per-collective check, on the collective's own group). The NCCL flight recorder dumps the last
+collectives after a timeout: a post-mortem of a hang that already happened (30 minutes on gloo by
+default), NCCL only, where the guard stops the ranks before the mismatched collective, with a
+message. A two-rank gloo group per round would do what a link does, with gloo's worker-thread
+hand-offs on every swap (see above), so it remains only the fallback.
+
 A swap sends this rank's bytes (never blocking: they fit the socket's buffer) and reads the
 partner's, waiting in slices so that the stall watch can look where the peers are between
 them ([Note: Stalled waits]); the group's timeout bounds the whole wait. A partner that died
