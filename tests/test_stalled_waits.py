@@ -399,3 +399,23 @@ def test_the_private_c10d_sequence_number_the_watch_reads_still_counts_collectiv
     stops counting, this fails (the watch would quietly lose that verdict: it reads -1 then)."""
     for before, after in run_distributed(_sequence_numbers, 2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT):
         assert before >= 0 and after == before + 2, (before, after)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8, 12, 1024])
+def test_a_look_reads_its_guard_partners_only(world_size):
+    """[Note: A look reads log W records]: at most ceil(log2 W) partners each, partnership mutual, and every rank
+    reachable from every other through partners (a verdict seen by one rank's partners reaches all through the
+    poisoned mark; here: no rank is left out of the partner graph)."""
+    from flatshard._stall_watch import partners
+
+    ranks = [10 + r for r in range(world_size)]  # (global ranks of a subgroup)
+    of = {r: partners(ranks, r) for r in ranks}
+    assert max(len(p) for p in of.values()) <= (world_size - 1).bit_length()
+    assert all(r in of[p] for r in ranks for p in of[r])
+    seen, todo = {ranks[0]}, [ranks[0]]
+    while todo:
+        for p in of[todo.pop()]:
+            if p not in seen:
+                seen.add(p)
+                todo.append(p)
+    assert seen == set(ranks)
