@@ -195,18 +195,20 @@ def test_two_models_run_in_different_orders_fail():
     run_distributed(_two_models_in_different_orders, 2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
 
 
-def test_a_dead_peer_is_named_not_called_a_divergence():
+@pytest.mark.parametrize("where", ["between", "mid"])
+def test_a_dead_peer_is_named_not_called_a_divergence(where):
     """Three ranks as torchrun starts them (forked by tests/scripts/fork_ranks.py); the last is killed between
-    steps: the survivors raise PeerGoneError saying which rank is gone (not a RankDivergenceError: a loop that
-    catches divergences to skip a batch does not catch it). The script's group timeout (60 s) is
-    under the launcher's deadline: a survivor that only failed at gloo's timeout exits 1, not 3."""
+    steps, or inside a step while the others wait in a collective: the survivors raise PeerGoneError saying which
+    rank is gone (not a RankDivergenceError: a loop that catches divergences to skip a batch does not catch it).
+    The script's group timeout (30 s) bounds when: a survivor that only failed at gloo's timeout exits 1, not 3."""
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
     done = subprocess.run([sys.executable, os.path.join(here, "scripts", "fork_ranks.py"), "1", "3",
                            os.path.join(here, "scripts", "peer_killed_between_steps.py")],
-                          capture_output=True, text=True, timeout=2 * DEADLINE)
+                          capture_output=True, text=True, timeout=2 * DEADLINE,
+                          env={**os.environ, "PEER_KILLED_WHERE": where})
     assert done.returncode == 0, done.stderr[-4000:]
     outs = {o["rank"]: o for o in map(json.loads, filter(lambda line: line.startswith("{"), done.stdout.splitlines()))}
     assert outs[2]["status"] == -signal.SIGKILL, outs[2]

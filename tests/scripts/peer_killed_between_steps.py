@@ -1,5 +1,6 @@
 """One rank of a run where the last rank is killed (SIGKILL, as the kernel's OOM killer does) between two
-steps (tests/test_stalled_waits.py starts it, as torchrun would): every survivor must raise
+steps, or with PEER_KILLED_WHERE=mid inside a step while its peers wait in a collective (tests/test_stalled_waits.py
+starts it, as torchrun would): every survivor must raise
 PeerGoneError (not a RankDivergenceError) naming the rank that is gone, and exit status 3 having printed it. Environment: RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torchrun's)."""
 
@@ -19,7 +20,9 @@ from flatshard import PeerGoneError, RankDivergenceError  # noqa: E402
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt  # noqa: E402
 
 torch.set_num_threads(1)
-dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+# 30 s: a survivor that learned of the death only from gloo's timeout would raise gloo's error, not PeerGoneError
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+WHERE = os.environ.get("PEER_KILLED_WHERE", "between")  # "between" steps, or "mid": inside step 1's forward
 rank, world_size = dist.get_rank(), dist.get_world_size()
 model = FSDP(make_gpt(n_layers=3), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -33,7 +36,10 @@ def step(seed):
 
 step(0)
 if rank == world_size - 1:
-    os.kill(os.getpid(), signal.SIGKILL)
+    if WHERE == "between":
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:  # in the second block's pre-forward: the survivors wait in that block's all-gather meanwhile
+        model.blocks[1].register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
 store = dist.distributed_c10d._get_default_store()
 try:
     try:
