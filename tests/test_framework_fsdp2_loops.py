@@ -21,9 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from _dist import run_distributed
-from models import gpt_loss, local_slice, make_batch, make_gpt
+from models import make_gpt, train_gpt
 
-VOCAB, SEQ, STEPS, SAVE_AT = 67, 10, 4, 2
+STEPS, SAVE_AT = 4, 2
 
 
 def _is_flatshard(model) -> bool:
@@ -39,7 +39,7 @@ def _titan_model(seed: int = 0):
     import torch._dynamo as dynamo
 
     dynamo.reset()
-    model = make_gpt(vocab=VOCAB, seq=SEQ, seed=seed)
+    model = make_gpt(seed=seed)
     for i, block in enumerate(model.blocks):
         fully_shard(block)
         model.blocks[i] = torch.compile(block, backend="aot_eager")
@@ -47,32 +47,21 @@ def _titan_model(seed: int = 0):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _titan_steps(model, opt, steps, rank, world_size):
-    losses = []
-    for step in steps:
-        loss = gpt_loss(model, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _titan_loop(rank, world_size, path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model, opt = _titan_model()
     kind = _is_flatshard(model)
-    losses = _titan_steps(model, opt, range(SAVE_AT), rank, world_size)
+    losses = train_gpt(model, opt, range(SAVE_AT), rank, world_size)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    went_on = _titan_steps(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+    went_on = train_gpt(model, opt, range(SAVE_AT, STEPS), rank, world_size)
     model, opt = _titan_model(seed=7)  # other weights: the checkpoint must replace them
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    resumed = _titan_steps(model, opt, range(SAVE_AT, STEPS), rank, world_size)
+    resumed = train_gpt(model, opt, range(SAVE_AT, STEPS), rank, world_size)
     return {"flatshard": kind, "losses": losses + went_on, "resumed": resumed}
 
 

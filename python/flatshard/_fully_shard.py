@@ -71,7 +71,6 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                                    offload_policy, ignored_params)
     # One unit for all of them (see [Note: A list of modules]): the first is the unit's module.
     state = UnitState("", modules[0], config, config.device_id)
-    state.group = modules if len(modules) > 1 else None
     for m in modules:
         m.__dict__["_unit_state"] = state
     _construction.build_flat_param(modules[0], modules[0], more_modules=modules[1:])
@@ -94,7 +93,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
 # [Note: A list of modules]
 # ``fully_shard([norm, lm_head])`` (accelerate's FSDP2 path shards a model's tail so) makes one unit of several
 # modules: one set of parameters gathered and reduced together, the modules sharing one UnitState (the first is
-# its module, ``state.group`` lists them all). Each member's forward is one use of the unit, as a module called
+# its module). Each member's forward is one use of the unit, as a module called
 # twice is (see [Note: Unit lifecycle] in _runtime.py): the first gathers the parameters, and a member that runs
 # after another reshard it gathers them again; torch's FSDP2 instead holds them from the first member's forward
 # to the last one's, which saves that all-gather (the same values either way). The runtime walks each unit once

@@ -96,7 +96,6 @@ class UnitState:
         "name",  # the unit's path under its root ("" for the root); final at lazy init
         "wrapped_module",  # what the unit calls: its _fsdp_wrapped_module (torch's ``unit.module`` is the module
         # inside an activation-checkpoint wrapper put around it after wrapping)
-        "group",  # fully_shard of a list of modules: all of them (the first is wrapped_module), else None
         "config",  # the UnitConfig its front-end resolved (see [Note: Unit configuration] in _config.py)
         # --- storage
         "device",  # where the unit computes and its storage lives (see [Note: Unit configuration])
@@ -145,7 +144,6 @@ class UnitState:
         self.name = name
         self.wrapped_module = module
         self.config = config
-        self.group: list[nn.Module] | None = None
         self.in_forward_method = False
         self.nested_forwards = 0
         self.forward_prefetch_to: list[UnitState] | None = None
