@@ -97,6 +97,7 @@ void reset_collective_counts() {
 struct Collectives::Impl {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::optional<bool> cpu_backend_is_gloo;  // looked up on first use
+  std::optional<bool> without_backends;     // see [Note: A group without c10d backends]
   std::shared_ptr<GroupCounters> counters;  // see [Note: Collective byte counters]
 
   void count(CollectiveKind kind, const at::Tensor& input) const {
@@ -188,6 +189,34 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, 
 #endif
 }
 
+// [Note: A group without c10d backends]
+// A process group written in Python (torch's threaded test group, ProcessLocalGroup, whose ranks
+// are threads of one process) registers no c10d backend: ProcessGroup's single-tensor calls go
+// through the c10d op, which asks for the backend of the tensor's device and fails ("No backend
+// type associated with device type cpu"). Such a group overrides the virtual methods instead,
+// which the Python trampoline forwards to its Python ones, and of the single-tensor collectives
+// only the coalesced forms are virtual. So a group with no backend at all gets its all-gather and
+// reduce-scatter as a coalesced call of one tensor; every other group takes the single-tensor path.
+c10::intrusive_ptr<c10d::Work> all_gather_one_coalesced(c10d::ProcessGroup& group, at::Tensor& output,
+                                                        at::Tensor& input) {
+  std::vector<at::Tensor> outputs{output}, inputs{input};
+#if FLATSHARD_C10D_SINGLE_NAMES
+  return group.all_gather_single_coalesced(outputs, inputs);
+#else
+  return group.allgather_into_tensor_coalesced(outputs, inputs);
+#endif
+}
+
+c10::intrusive_ptr<c10d::Work> reduce_scatter_one_coalesced(c10d::ProcessGroup& group, at::Tensor& output,
+                                                            at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> outputs{output}, inputs{input};
+#if FLATSHARD_C10D_SINGLE_NAMES
+  return group.reduce_scatter_single_coalesced(outputs, inputs, opts);
+#else
+  return group.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+#endif
+}
+
 }  // namespace
 
 namespace {
@@ -258,7 +287,7 @@ void CommWork::wait(const std::string& what) {
 }
 
 Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : impl_(std::make_unique<Impl>(Impl{std::move(group), std::nullopt, nullptr})) {
+    : impl_(std::make_unique<Impl>(Impl{std::move(group), std::nullopt, std::nullopt, nullptr})) {
   TORCH_CHECK(impl_->group, "flatshard: expected a process group but got None");
   impl_->counters = counters_of(*impl_->group);
 }
@@ -284,11 +313,17 @@ bool Collectives::is_cpu_gloo(const c10::Device& device) const {
   return *impl_->cpu_backend_is_gloo;
 }
 
+bool Collectives::without_backends() const {
+  if (!impl_->without_backends.has_value()) impl_->without_backends = impl_->group->getDeviceTypes().empty();
+  return *impl_->without_backends;
+}
+
 bool Collectives::holds_reduce_scatter_input(const c10::Device& device) const { return is_cpu_gloo(device); }
 
 CommWork Collectives::all_gather(at::Tensor& output, at::Tensor& input) {
   TORCH_INTERNAL_ASSERT(output.numel() == input.numel() * size());
   impl_->count(CollectiveKind::kAllGather, input);
+  if (without_backends()) return track_work(all_gather_one_coalesced(*impl_->group, output, input));
   auto work = all_gather_single(*impl_->group, output, input);
   return is_cpu_gloo(output.device()) ? track_future(work->getFuture()) : track_work(std::move(work));
 }
@@ -317,6 +352,7 @@ CommWork Collectives::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) 
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
+  if (without_backends()) return track_work(reduce_scatter_one_coalesced(*impl_->group, output, input, opts));
   return track_work(reduce_scatter_single(*impl_->group, output, input, opts));
 }
 

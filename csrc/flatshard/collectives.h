@@ -138,6 +138,7 @@ class Collectives {
 
  private:
   bool is_cpu_gloo(const c10::Device& device) const;
+  bool without_backends() const;  // see [Note: A group without c10d backends]
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
