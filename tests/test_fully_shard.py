@@ -39,7 +39,7 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
-         "divide_factor_summed"]
+         "divide_factor_summed", "kept_after_backward"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -51,7 +51,7 @@ W4_CASES = ["reshard_after_forward=None", "reshard_after_forward=False", "no_gra
             "bf16_params_fp32_reduce", "fp16_params_and_reduce", "frozen_base_weights", "reshard_after_forward=2",
             "reshard_after_forward=2_bf16"]
 # At W = 4 only: HSDP on a 2x2 mesh (replicate, shard), resharding after forward or not.
-HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False"]
+HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False", "hsdp_2x2_reduce_scatter_only"]
 
 
 def _cases_at(world_size: int) -> list[str]:
@@ -91,6 +91,8 @@ def _build(impl: str, case: str) -> nn.Module:
 
         kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         kwargs["reshard_after_forward"] = not case.endswith("=False")
+    if case == "kept_after_backward":  # (torch's own test pairs set_reshard_after_backward with this)
+        kwargs["reshard_after_forward"] = False
     if case == "cpu_offload":  # (no pinning without a GPU, torch's and ours)
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -155,11 +157,16 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
     losses, grads = [], []
     for step in range(STEPS):
         tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size)
-        if case.endswith("no_gradient_sync"):  # two micro-batches, the first without reduction
-            model.set_requires_gradient_sync(False)
+        if case.endswith(("no_gradient_sync", "kept_after_backward", "reduce_scatter_only")):
+            # Two micro-batches, the first without reduction (kept: its parameters kept unsharded too, so that the
+            # second forward gathers nothing; reduce-scatter only: HSDP's all-reduce left to the second)
+            first_flags, last_flags = _accumulation_flags(case)
+            for setter, value in first_flags:
+                getattr(model, setter)(value)
             loss = gpt_loss(model, tokens[:, :5], targets[:, :5]) / 2
             loss.backward()
-            model.set_requires_gradient_sync(True)
+            for setter, value in last_flags:
+                getattr(model, setter)(value)
             second = gpt_loss(model, tokens[:, 5:], targets[:, 5:]) / 2
             second.backward()
             loss = loss + second
@@ -172,6 +179,15 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "params": [_local(p).detach().clone() for p in model.parameters()],
             "names": [n for n, _ in model.named_parameters()]}
+
+
+def _accumulation_flags(case: str) -> tuple[list, list]:
+    """The FSDPModule setters called before the first micro-batch and before the last (torch's gradient
+    accumulation test's)."""
+    setter = {"kept_after_backward": "set_reshard_after_backward",
+              "reduce_scatter_only": "set_requires_all_reduce"}.get(case.split("_2x2_")[-1])
+    flags = [setter] if setter == "set_requires_all_reduce" else ["set_requires_gradient_sync"] + [setter] * bool(setter)
+    return [(f, False) for f in flags], [(f, True) for f in flags]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -214,6 +230,18 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
             if handle.collective_bytes["all_gather"] != want:
                 problems.append(f"{name} all-gathered {handle.collective_bytes['all_gather']} bytes in {STEPS} steps, "
                                 f"not {want} (its shard in forward, twice that in backward)")
+    if case in ("kept_after_backward", "hsdp_2x2_reduce_scatter_only") and world_size > 1:
+        # Kept after backward: each unit gathered once a step, in the first micro-batch's forward. Reduce-scatter
+        # only: each unit reduce-scattered in both micro-batches, all-reduced over the replicas once a step.
+        for name, unit in [("root", model)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]:
+            handle = unit._unit_state.handle
+            shard_bytes = handle.layout.shard_numel * 4
+            got, shard_factor = handle.collective_bytes, handle.layout.shard_factor
+            want = ({"all_gather": STEPS * shard_bytes} if case == "kept_after_backward" else
+                    {"reduce_scatter": 2 * STEPS * shard_bytes * shard_factor, "replica_all_reduce": STEPS * shard_bytes})
+            for kind, n in want.items():
+                if got[kind] != n:
+                    problems.append(f"{name}: {kind} moved {got[kind]} bytes in {STEPS} steps, not {n}")
     if case == "frozen_base_weights" and world_size > 1:
         # Only the trainable parameters' rows are reduce-scattered (their padded rows on every rank), as torch's.
         for i, block in enumerate(model.blocks):
@@ -510,8 +538,8 @@ def _refusals(rank: int, world_size: int) -> None:
         early.half()
     assert all(p.dtype == torch.float32 and torch.equal(p.to_local(), b) for p, b in zip(early.parameters(), before))
     early(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()  # (still trains)
-    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_reshard_after_backward: not supported"):
-        model.set_reshard_after_backward(False)
+    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_all_reduce_hook: not supported"):
+        model.set_all_reduce_hook(lambda grad: None)
     with pytest.raises(ValueError, match=r"set_modules_to_forward_prefetch: expects FSDPModules .* but got Linear"):
         model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
 

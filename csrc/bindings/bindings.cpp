@@ -108,6 +108,8 @@ PYBIND11_MODULE(_C, m) {
                     &FlatParamHandle::set_post_forward_group_index,
                     "See [Note: Reshard to a smaller group] in csrc/flatshard/flat_param.h; -1: none.")
       .def("has_post_forward_shard", &FlatParamHandle::has_post_forward_shard)
+      .def_property("requires_all_reduce", &FlatParamHandle::requires_all_reduce,
+                    &FlatParamHandle::set_requires_all_reduce, "See [Note: Reduce-scatter only] in flat_param.h.")
       .def("set_divide_factors", &FlatParamHandle::set_divide_factors, py::arg("predivide"), py::arg("postdivide"),
            "The gradient's division before and after the SUM from now on (see Scheduler::reduce_grad).")
       .def_property_readonly("local_shard", &FlatParamHandle::local_shard)
@@ -204,16 +206,15 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "post_backward",
           [](Scheduler& self, FlatParamHandle& handle, const std::vector<std::optional<at::Tensor>>& grads, bool reduce,
-             bool reshard, FlatParamHandle* prefetch) {
+             bool uses_done, bool reshard, FlatParamHandle* prefetch) {
             std::vector<at::Tensor> defined = undefined_for_none(grads);
             py::gil_scoped_release no_gil;
-            const bool resharded = self.post_backward(handle, defined, reduce, reshard);
+            self.post_backward(handle, defined, reduce, uses_done, reshard);
             if (prefetch != nullptr) self.unshard(*prefetch);
-            return resharded;
           },
-          py::arg("handle"), py::arg("grads"), py::arg("reduce"), py::arg("reshard"), py::arg("prefetch") = nullptr,
-          "Scheduler::post_backward, then issues `prefetch`'s all-gather (a no-op unless it is sharded); returns "
-          "whether the unit was resharded.")
+          py::arg("handle"), py::arg("grads"), py::arg("reduce"), py::arg("uses_done"), py::arg("reshard"),
+          py::arg("prefetch") = nullptr,
+          "Scheduler::post_backward, then issues `prefetch`'s all-gather (a no-op unless it is sharded).")
       .def(
           "count_sharded",
           [](const Scheduler&, const std::vector<FlatParamHandle*>& handles) {

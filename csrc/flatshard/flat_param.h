@@ -214,6 +214,14 @@ class FlatParamHandle {
     postdivide_ = postdivide;
   }
   bool all_reduce_replicas() const { return all_reduce_replicas_; }
+  // [Note: Reduce-scatter only]
+  // fully_shard's set_requires_all_reduce(False) (HSDP's gradient accumulation): each backward's
+  // reduce-scattered shard is summed into `partial_replica_sum` instead of being all-reduced over the
+  // replicas and added to `.grad`; the next reduction with it True all-reduces its own shard plus that
+  // sum, once, as torch's FSDP2 does. The sum is before the post-divide (which follows the all-reduce).
+  bool requires_all_reduce() const { return requires_all_reduce_; }
+  void set_requires_all_reduce(bool requires) { requires_all_reduce_ = requires; }
+  at::Tensor& partial_replica_sum() { return partial_replica_sum_; }
 
   // Gives the unsharded buffer its storage. Safe to call twice. Allocates with
   // the current stream of the buffer's device.
@@ -261,10 +269,11 @@ class FlatParamHandle {
   // Hands the unsharded flat gradient over (to the reduction), cast to
   // reduce_dtype on the current stream, and forgets it.
   at::Tensor take_unsharded_grad();
-  // Forgets the unsharded flat gradient, if any (a backward that raised).
+  // Forgets the unsharded flat gradient and a reduce-scatter-only sum, if any (a backward that raised).
   void drop_unsharded_grad() {
     unsharded_grad_ = at::Tensor();
     accumulated_grad_ = at::Tensor();
+    partial_replica_sum_ = at::Tensor();
   }
   // A reduced gradient shard (reduce_dtype, compute device, already divided)
   // into `.grad`, on the current stream; with offload, copied (non-blocking)
@@ -317,6 +326,8 @@ class FlatParamHandle {
   double predivide_ = 1.0;
   double postdivide_ = 1.0;
   bool all_reduce_replicas_ = false;
+  bool requires_all_reduce_ = true;  // see [Note: Reduce-scatter only]
+  at::Tensor partial_replica_sum_;
   std::string all_gather_range_;
   std::string wait_range_;
   std::string reduce_scatter_range_;

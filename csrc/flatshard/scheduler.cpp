@@ -288,15 +288,16 @@ void Scheduler::reduce_grad(FlatParamHandle& unit) {
   reductions_.push_back(std::move(record));
 }
 
-bool Scheduler::post_backward(FlatParamHandle& unit, const std::vector<at::Tensor>& grads, bool reduce,
-                              bool reshard_unit) {
+void Scheduler::post_backward(FlatParamHandle& unit, const std::vector<at::Tensor>& grads, bool reduce,
+                              bool uses_done, bool reshard_unit) {
+  TORCH_INTERNAL_ASSERT(uses_done || !(reduce || reshard_unit), "flatshard: unit '", unit.name(),
+                        "': a post-backward reduces or reshards while a use of the unit is left");
   if (reduce) while (!reductions_.empty()) complete_shard_reduction();
   // Every use's backward ran: the parameters go before the flat gradient comes.
-  if (reduce || reshard_unit) reshard(unit);
+  if (reshard_unit) reshard(unit);
   unit.accumulate_grad(grads);
-  if (reshard_unit) unit.end_backward_grad();  // every use of this backward is in (see [Note: FSDP2's gradient sums])
+  if (uses_done) unit.end_backward_grad();  // every use of this backward is in (see [Note: FSDP2's gradient sums])
   if (reduce) reduce_grad(unit);
-  return reduce || reshard_unit;
 }
 
 void Scheduler::complete_shard_reduction() {
@@ -320,6 +321,22 @@ void Scheduler::complete_shard_reduction() {
   record.flat_grad = at::Tensor();  // (replicated: the output is the same tensor and lives on)
   std::optional<Collectives>& replicate = groups_of(*record.unit).replicate;
   if (record.unit->all_reduce_replicas() && replicate->size() > 1) {
+    at::Tensor& partial = record.unit->partial_replica_sum();  // see [Note: Reduce-scatter only]
+    if (!record.unit->requires_all_reduce()) {
+      c10::StreamGuard stream_guard(reduce_scatter_stream_);
+      if (partial.defined()) {
+        partial.add_(record.grad_shard);
+      } else {
+        partial = record.grad_shard;
+      }
+      stream_wait(current_stream(), reduce_scatter_stream_);
+      return;
+    }
+    if (partial.defined()) {
+      c10::StreamGuard stream_guard(reduce_scatter_stream_);
+      record.grad_shard.add_(partial);
+      partial = at::Tensor();
+    }
     while (!replica_reductions_.empty()) complete_replica_reduction();
     stream_wait(all_reduce_stream_, reduce_scatter_stream_);
     c10::StreamGuard stream_guard(all_reduce_stream_);

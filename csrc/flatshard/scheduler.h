@@ -118,14 +118,17 @@ class Scheduler {
   // The divide factors and the replica all-reduce are the unit's own
   // (FlatParamOptions).
   void reduce_grad(FlatParamHandle& unit);
-  // A unit's post-backward in one call: with `reshard_unit` (no use of the
-  // unit is left in this backward), reshards it first; accumulates `grads`
-  // (one per original parameter, undefined for none) into its unsharded flat
-  // gradient; with `reduce` (implies resharding), issues its reduction
-  // (reduce_grad), after completing the previous one, so that the parameters
-  // and that reduction's buffers are gone before new ones are allocated. May
-  // block on that reduction. Returns whether the unit was resharded.
-  bool post_backward(FlatParamHandle& unit, const std::vector<at::Tensor>& grads, bool reduce, bool reshard_unit);
+  // A unit's post-backward in one call: with `reshard_unit`, reshards it
+  // first; accumulates `grads` (one per original parameter, undefined for
+  // none) into its unsharded flat gradient; with `uses_done` (no use of the
+  // unit is left in this backward), ends this backward's sum; with `reduce`
+  // (implies `uses_done`), issues its reduction (reduce_grad), after
+  // completing the previous one, so that the parameters and that reduction's
+  // buffers are gone before new ones are allocated. May block on that
+  // reduction. `reshard_unit` is `uses_done` unless the unit keeps its
+  // parameters after backward (fully_shard's set_reshard_after_backward).
+  void post_backward(FlatParamHandle& unit, const std::vector<at::Tensor>& grads, bool reduce, bool uses_done,
+                     bool reshard_unit);
   // The whole flat parameter in the shard's own (full) precision on the
   // compute device, for summon_full_params and state dicts of units that
   // compute in another dtype or keep their shard on the host: a fresh tensor,

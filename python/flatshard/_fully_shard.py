@@ -166,7 +166,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 # FSDPModule's methods flatshard does not have yet: each raises NotImplementedError naming itself.
-_NOT_YET = ("set_requires_all_reduce", "set_reshard_after_backward", "set_custom_all_gather",
+_NOT_YET = ("set_custom_all_gather",
             "set_custom_reduce_scatter", "set_all_reduce_hook", "set_reduce_scatter_unused_params",
             "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
             "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm")
@@ -234,6 +234,22 @@ class FSDPModule(TorchFSDPModule):
         """False: gradients accumulate unsharded, unreduced, until a backward with it True (FSDP2's no_sync)."""
         for m in self._units(recurse):
             m._unit_state.sync_gradients = bool(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters each backward's gradients but sums them apart instead of all-reducing them
+        over the replicas; the next backward with it True all-reduces that sum once, into ``.grad`` (see [Note:
+        Reduce-scatter only] in csrc/flatshard/flat_param.h). No effect on a 1-D mesh."""
+        for m in self._units(recurse):
+            if m._unit_state.handle is not None:
+                m._unit_state.handle.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: the parameters stay unsharded after backward, so that the next forward gathers nothing
+        (gradient accumulation, trading memory for the all-gathers); a forward that reshards, or a backward with
+        it True again, frees them. The sharded parameters are not written back to while they are held: step the
+        optimizer after a backward with it True, as torch's."""
+        for m in self._units(recurse):
+            m._unit_state.reshards_after_backward = bool(reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """In this module's pre-forward, after its own all-gather, those modules' all-gathers are issued (instead

@@ -654,18 +654,19 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
     use.finish()
     if s.config.use_orig_params:
         _orig_params.note_grads(s, grads)
-    # Reshard once no other use still needs the parameters, and reduce then, unless in no_sync().
+    # Reshard once no other use still needs the parameters (unless the unit keeps them), and reduce then,
+    # unless in no_sync().
     done = not s.holds_unsharded and not has_pending_uses(s)
     reduce = done and s.sync_gradients
+    reshard_unit = done and s.reshards_after_backward
     hooked = reduce and s.comm_hook is not None
     ahead = (_backward_prefetch_target(use.order, use.index - 1)
              if done and s.config.backward_prefetch == BackwardPrefetch.BACKWARD_POST else None)
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
-    resharded = s.root.scheduler.post_backward(s.handle, list(grads), reduce and not hooked, done,
-                                               None if hooked else ahead)
-    if not resharded:
-        return
-    set_views(s, s.placeholders, placeholders=True)
+    s.root.scheduler.post_backward(s.handle, list(grads), reduce and not hooked, done, reshard_unit,
+                                   None if hooked else ahead)
+    if reshard_unit:
+        set_views(s, s.placeholders, placeholders=True)
     if hooked:  # see [Note: Communication hooks] in _comm_hooks.py
         _comm_hooks.reduce(s)
         if ahead is not None:
@@ -674,7 +675,7 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
 
 def frozen_post_backward(s: UnitState, _grads: Any) -> None:
     s.switch("frozen post-backward")
-    if not s.holds_unsharded:
+    if not s.holds_unsharded and s.reshards_after_backward:
         reshard(s)
 
 
@@ -697,7 +698,7 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:
         s = unit._unit_state
         s.switch("end of backward")
-        if s.handle is not None and not s.holds_unsharded:
+        if s.handle is not None and not s.holds_unsharded and s.reshards_after_backward:
             reshard(s)
             if s.config.use_orig_params and s.sync_gradients:
                 _orig_params.use_grad_views(s)

@@ -118,6 +118,8 @@ class UnitState:
         "uses",  # live uses of the parameters by autograd (see _runtime.Use)
         "placeholders_set",  # whether the modules hold the storage-less placeholders
         "sync_gradients",  # False inside no_sync()
+        "reshards_after_backward",  # fully_shard's set_reshard_after_backward: False keeps the parameters unsharded
+        # after backward, until a forward that reshards (gradient accumulation without the all-gathers)
         "forward_call",  # fully_shard: what its forward pre-hook hands its forward hook: (_runtime.ForwardCall,
         # the exception the caller was handling then, or None)
         "in_forward_method",  # fully_shard: inside a method torch's register_fsdp_forward_method wraps (see [Note:
@@ -169,6 +171,7 @@ class UnitState:
         self.uses: weakref.WeakSet[Any] = weakref.WeakSet()
         self.placeholders_set = True
         self.sync_gradients = True
+        self.reshards_after_backward = True
         self.forward_call: Any = None
         self.dim0_rows: list | None = None
         self.holds_unsharded = False
