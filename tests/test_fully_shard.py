@@ -39,7 +39,7 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
-         "divide_factor_summed", "kept_after_backward"]
+         "divide_factor_summed", "kept_after_backward", "cast_to_float64_after"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -139,6 +139,8 @@ def _build(impl: str, case: str) -> nn.Module:
         for m in [model, *model.blocks]:
             m.set_force_sum_reduction_for_comms(True)
             m.set_gradient_divide_factor(3.0)
+    if case == "cast_to_float64_after":  # the shards, their gradients and the parameters' DTensors follow
+        model.to(torch.float64)
     if case == "meta_then_to_empty":
         from torch.distributed.tensor import distribute_tensor
 
@@ -230,6 +232,10 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
             if handle.collective_bytes["all_gather"] != want:
                 problems.append(f"{name} all-gathered {handle.collective_bytes['all_gather']} bytes in {STEPS} steps, "
                                 f"not {want} (its shard in forward, twice that in backward)")
+    if case == "cast_to_float64_after":
+        dtypes = {str(t.dtype) for t in ours["grads"] + ours["params"]} | {str(p.dtype) for p in model.parameters()}
+        if dtypes != {"torch.float64"}:
+            problems.append(f"after .to(torch.float64) the parameters and gradients are {sorted(dtypes)}")
     if case in ("kept_after_backward", "hsdp_2x2_reduce_scatter_only") and world_size > 1:
         # Kept after backward: each unit gathered once a step, in the first micro-batch's forward. Reduce-scatter
         # only: each unit reduce-scattered in both micro-batches, all-reduced over the replicas once a step.
@@ -534,8 +540,8 @@ def _refusals(rank: int, world_size: int) -> None:
     assert type(early.blocks[0].ln1.weight).__name__ == "DTensor"
     early.reshard()  # (the root keeps its parameters after forward, registered unsharded: as torch's)
     before = [p.to_local().clone() for p in early.parameters()]
-    with pytest.raises(NotImplementedError, match=r"moving or casting FSDPGPT to torch.float16 on cpu after fully_shard"):
-        early.half()
+    with pytest.raises(NotImplementedError, match=r"moving FSDPGPT to meta after fully_shard is not supported"):
+        early.to("meta")
     assert all(p.dtype == torch.float32 and torch.equal(p.to_local(), b) for p, b in zip(early.parameters(), before))
     early(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()  # (still trains)
     with pytest.raises(NotImplementedError, match=r"FSDPModule.set_all_reduce_hook: not supported"):

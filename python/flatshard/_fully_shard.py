@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 
-from flatshard import _construction, _dtensor_params, _fsdp2_config, _runtime
+from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_params, _runtime
 from flatshard._common import is_unit
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import TrainingState, UnitState
@@ -319,23 +319,40 @@ class FSDPModule(TorchFSDPModule):
         root.in_iteration = False
 
     def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
-        """``to_empty``, ``.to``, ``.float()``: applied, then every unit's parameters put back onto its shard (see
-        [Note: DTensor parameters] in _dtensor_params.py)."""
+        """``to_empty``, ``.to``, ``.float()``, ``.to(torch.float64)``: applied, then every unit's parameters put
+        back onto its shard (see [Note: DTensor parameters] in _dtensor_params.py). A cast casts each unit's shard
+        (and gradient shard) first, so that the new values land in a shard of the new dtype."""
+        units = [m._unit_state for m in (self.modules() if recurse else [self])
+                 if is_unit(m) and m._unit_state.handle is not None and m._unit_state.config.dim0_layout]
+        casts = []
+        for s in units:  # a move is refused before anything changes
+            shard = s.flat_param.detach()
+            probe = fn(shard.new_empty(0))
+            if probe.device != shard.device:
+                raise NotImplementedError(
+                    f"fully_shard: moving {type(s.wrapped_module).__name__} to {probe.device} after fully_shard is not "
+                    f"supported by flatshard yet (its shards are on {shard.device}); move the module before "
+                    f"fully_shard, or pass the mesh of the device it should train on.")
+            if probe.dtype != shard.dtype:
+                casts.append((s, probe.dtype))
+        for s, dtype in casts:
+            if s.root is not None and s.root.in_iteration:
+                raise RuntimeError(f"fully_shard: {type(s.wrapped_module).__name__} cannot be cast to {dtype} during "
+                                   f"a forward/backward iteration; cast it between steps.")
+            if s.root is not None:
+                _runtime.reshard(s)
+            _orig_params.writeback(s)  # (a zero_grad since the last step included)
+            flat = s.flat_param
+            with torch.no_grad():
+                flat.data = flat.data.to(dtype)
+                if flat.grad is not None:
+                    flat.grad = flat.grad.to(dtype)
         self.reshard()
-        for m in self.modules() if recurse else [self]:  # a move or cast is refused before anything changes
-            s = m._unit_state if is_unit(m) else None
-            if s is not None and s.handle is not None and s.config.dim0_layout:
-                shard = s.flat_param.detach()
-                probe = fn(shard.new_empty(0))
-                if probe.device != shard.device or probe.dtype != shard.dtype:
-                    raise NotImplementedError(
-                        f"fully_shard: moving or casting {type(m).__name__} to {probe.dtype} on {probe.device} after "
-                        f"fully_shard is not supported by flatshard yet (its shards are {shard.dtype} on "
-                        f"{shard.device}); move or cast the module before fully_shard.")
         out = super(TorchFSDPModule, self)._apply(fn, recurse)  # (torch's FSDPModule._apply reads torch's state)
-        for m in self.modules() if recurse else [self]:
-            if is_unit(m) and m._unit_state.handle is not None and m._unit_state.config.dim0_layout:
-                _dtensor_params.rebind(m._unit_state)
+        for s in units:
+            _dtensor_params.rebind(s)
+        for s, _ in casts:
+            _runtime.after_shard_cast(s)
         return out
 
     def __deepcopy__(self, memo: Any) -> Any:
