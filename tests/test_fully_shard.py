@@ -519,8 +519,9 @@ def _refusals(rank: int, world_size: int) -> None:
     with pytest.raises(NotImplementedError, match="was sharded with fully_shard: call its unshard"):
         with flatshard.summon_full_params(model):
             pass
-    with pytest.raises(NotImplementedError, match="move_shards_to_host: FSDPGPT was sharded with fully_shard"):
-        flatshard.move_shards_to_host(model)
+    with pytest.raises(ValueError, match="move_shards_to_host: Linear has no flatshard units; wrap it .* or shard "
+                                         "it \\(fully_shard\\) first"):
+        flatshard.move_shards_to_host(nn.Linear(2, 2))
     mixed = fresh()
     mixed.blocks[0] = flatshard.FullyShardedDataParallel(mixed.blocks[0])
     fully_shard(mixed)
@@ -668,3 +669,37 @@ def test_load_state_dict_with_assign_reaches_the_shards():
 
     for rank, (went_on, resumed) in enumerate(run_distributed(_load_with_assign, 2, timeout=120)):
         assert resumed == went_on, f"rank {rank}"
+
+
+def _shards_moved(rank: int, world_size: int) -> tuple[list[float], list[float], bool]:
+    """Two steps, then ``move_shards_to_host`` / ``move_shards_to_device`` with the optimizer (verl's loop; on a CPU
+    the host is the device and nothing moves), then each unit's shard replaced by a copy as a move replaces it (so
+    that the DTensor parameters and gradients must follow the new storage), two more steps; against a model never
+    moved. The GPU move itself: tests/test_gpu.py::test_shards_to_host_and_back_on_gpu."""
+    import flatshard
+    from flatshard import _runtime
+
+    model = _build("flatshard", "reshard_after_forward=None")
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = _steps(model, opt, range(2), rank, world_size)
+    flatshard.move_shards_to_host(model, opt)
+    flatshard.move_shards_to_device(model, opt)
+    units = [model, *model.blocks]
+    with torch.no_grad():
+        for unit in units:
+            s = unit._unit_state
+            s.flat_param.data = s.flat_param.data.clone()
+            _runtime.after_shard_cast(s)
+    follows = all(p.to_local().untyped_storage().data_ptr() == unit._unit_state.flat_param.untyped_storage().data_ptr()
+                  for unit in units for p in unit.parameters(recurse=False))
+    losses += _steps(model, opt, range(2, 4), rank, world_size)
+    reference = _build("torch", "reshard_after_forward=None")
+    return losses, _steps(reference, torch.optim.Adam(reference.parameters(), lr=LR), range(4), rank, world_size), follows
+
+
+def test_shards_moved_and_replaced_train_on_as_torch():
+    from _dist import run_distributed
+
+    for rank, (moved, never, follows) in enumerate(run_distributed(_shards_moved, 2, timeout=120)):
+        assert follows, f"rank {rank}: a DTensor parameter still views the replaced shard"
+        assert moved == never, f"rank {rank}: {moved} vs torch FSDP2's never moved {never}"

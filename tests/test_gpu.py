@@ -173,17 +173,25 @@ def test_compress_hooks_on_gpu(hook_name):
     run_distributed(_compress_hooks_on_gpu, 2, hook_name, timeout=240)
 
 
-def _shards_to_host_and_back(rank, world_size, backend, use_orig_params):
+def _shards_to_host_and_back(rank, world_size, backend, api):
     from flatshard import FullyShardedDataParallel as FSDP
-    from flatshard import move_shards_to_device, move_shards_to_host
+    from flatshard import fully_shard, move_shards_to_device, move_shards_to_host
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
-    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device,
-                 use_orig_params=use_orig_params)
+
+    def build():
+        if api == "fully_shard":
+            gpt = make_gpt().to(device)
+            for block in gpt.blocks:
+                fully_shard(block)
+            return fully_shard(gpt)
+        return FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device,
+                    use_orig_params=api == "use_orig_params")
+
+    model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    reference = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device,
-                     use_orig_params=use_orig_params)
+    reference = build()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     batch = tuple(t.to(device) for t in local_slice(make_batch(), rank, world_size))
     losses, ref_losses = [], []
@@ -207,11 +215,12 @@ def _shards_to_host_and_back(rank, world_size, backend, use_orig_params):
     assert losses == ref_losses, f"{losses} vs {ref_losses} (never moved)"
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_shards_to_host_and_back_on_gpu(use_orig_params):
+@pytest.mark.parametrize("api", ["flat_params", "use_orig_params", "fully_shard"])
+def test_shards_to_host_and_back_on_gpu(api):
     """flatshard.move_shards_to_host/device mid-training (verl's offload between rollout and update): memory
-    freed on the device, a forward meanwhile refused, training goes on exactly as a model never moved."""
-    run_distributed(_shards_to_host_and_back, 1, "nccl", use_orig_params, timeout=240)
+    freed on the device, a forward meanwhile refused, training goes on exactly as a model never moved. The class
+    with either use_orig_params, and fully_shard (whose DTensor parameters follow their shards)."""
+    run_distributed(_shards_to_host_and_back, 1, "nccl", api, timeout=240)
 
 
 def _fully_shard_on_device(rank, world_size, backend, device_type, offload):

@@ -16,7 +16,10 @@ in _orig_params.py, whose functions hand over to these for a unit with ``config.
   (``zero_grad``) clear the gradient shard, replaced ones are copied into it.
 - ``module._apply`` (``to_empty``, ``.to``, ``.float()``, ...) replaces each parameter's data: ``rebind``
   copies the new values into the shard and points the parameter back at it (torchtitan's ``to_empty``, then
-  its in-place initialization, then lands in the shard); a move to another device or dtype is refused by name.
+  its in-place initialization, then lands in the shard). A cast (``.to(torch.float64)``) casts the shard first
+  (``FSDPModule._apply``), so that the new values land in a shard of the new dtype; a move to another device is
+  refused by name. A shard replaced whole (``move_shards_to_host`` and back) takes the parameters with it
+  (``use_sharded_views``).
 """
 
 from __future__ import annotations
@@ -78,8 +81,16 @@ def init(s: UnitState, params: list[nn.Parameter]) -> None:
     assert layout.kind.name == "DIM0"
 
 
+@torch.no_grad()
 def use_sharded_views(s: UnitState) -> None:
-    """The DTensor parameters hold views of the shard from ``init`` on: nothing to renew."""
+    """The DTensor parameters hold views of the shard from ``init`` on; after the shard itself was replaced (moved
+    to the host and back: ``move_shards_to_host``), each is swapped onto its rows of the new one, whole (its
+    identity kept, so that an optimizer's references stay valid)."""
+    for p, view in zip(s.orig_params, local_views(s, s.flat_param.detach())):
+        local = p._local_tensor
+        if local.data_ptr() != view.data_ptr() or local.device != view.device:
+            torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, view, list(p.shape)),
+                                                     requires_grad=p.requires_grad))
 
 
 def grad_of(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,11 @@
 RL loops (verl's PPO workers) free the accelerator between training phases: the
 rollout engine needs the memory, so the training model's shards, and the optimizer's
 state, go to host memory and come back for the next update. ``move_shards_to_host`` /
-``move_shards_to_device`` do that for a flatshard model, between iterations: each
+``move_shards_to_device`` do that for a flatshard model (the class's or fully_shard's), between iterations: each
 unit's flat shard and its gradient move (``.data`` replaced, so the optimizer's
 references stay valid), the runtime takes the moved shard up as after a cast (its
-buffers and, with ``use_orig_params``, the original parameters' views follow), and the
+buffers and, with ``use_orig_params``, the original parameters' views follow; fully_shard's DTensor
+parameters are swapped onto the moved shard, their identity kept), and the
 optimizer's per-parameter tensors move with ``optimizer=``. Units with
 ``CPUOffload(offload_params=True)`` keep their shards on the host already and are left
 alone. While the shards are on the host a forward raises (the model would compute with
@@ -24,7 +25,7 @@ from torch import nn
 
 from flatshard import _C, _orig_params
 from flatshard._common import fsdp_modules, fully_shard_units
-from flatshard._runtime import after_shard_cast, reshard
+from flatshard._runtime import after_shard_cast, lazy_init, reshard
 from flatshard._state import UnitState
 
 
@@ -41,15 +42,14 @@ def move_shards_to_device(model: nn.Module, optimizer: torch.optim.Optimizer | N
 
 
 def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to_device: bool, non_blocking: bool) -> None:
-    units = fsdp_modules(model)
-    if not units and fully_shard_units(model):
-        raise NotImplementedError(f"flatshard.move_shards_to_{'device' if to_device else 'host'}: {type(model).__name__} "
-                                  f"was sharded with fully_shard, which this does not support yet (the class does).")
+    units = fsdp_modules(model) or fully_shard_units(model)
     if not units:
         raise ValueError(f"flatshard.move_shards_to_{'device' if to_device else 'host'}: {type(model).__name__} has no "
-                         f"FullyShardedDataParallel units; wrap it first (or move it with .to()).")
-    for root in fsdp_modules(model, root_only=True):
-        root._lazy_init()
+                         f"flatshard units; wrap it (FullyShardedDataParallel) or shard it (fully_shard) first, or "
+                         f"move it with .to().")
+    for root in _roots(units):
+        if root._unit_state.is_root is None:
+            lazy_init(root)
     moved: dict[int, torch.device] = {}  # id of a parameter the optimizer may hold -> where its shard went
     for unit in units:
         s = unit._unit_state
@@ -60,6 +60,12 @@ def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to_devi
                 moved[id(p)] = device
     if optimizer is not None:
         _move_optimizer_state(optimizer, moved, non_blocking)
+
+
+def _roots(units: list[nn.Module]) -> list[nn.Module]:
+    """The outermost of ``units``: the roots their runtime is set up from."""
+    inner = {id(m) for u in units for m in u.modules() if m is not u}
+    return [u for u in units if id(u) not in inner]
 
 
 def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -> None:

@@ -129,9 +129,15 @@ def note_grads(s: UnitState, grads: tuple[torch.Tensor | None, ...]) -> None:
 def writeback(s: UnitState) -> None:
     """What the user changed between iterations, into the flat shard and its gradient (see the note; fully_shard's
     parameters stay on the shard, see [Note: DTensor parameters])."""
-    flat = s.flat_param
     if not s.config.dim0_layout:
         _write_back_data(s)
+    write_back_grads(s)
+
+
+def write_back_grads(s: UnitState) -> None:
+    """The gradient half of ``writeback``: gradients set to None clear the gradient shard, replaced ones are copied
+    into it."""
+    flat = s.flat_param
     grads = [p.grad for p in s.orig_params]
     if all(g is None for g in grads):
         if flat.grad is not None:  # zero_grad(set_to_none=True)

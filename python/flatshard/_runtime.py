@@ -260,6 +260,8 @@ def set_views(state: UnitState, views, placeholders: bool = False) -> None:
 def after_shard_cast(state: UnitState) -> None:
     """The unit's shard changed dtype between iterations (``model.half()``, or its ``.data`` replaced):
     the runtime's buffers, views and the guard's description follow it."""
+    if state.config.use_orig_params:  # (a zero_grad since the last step must not come back with the views below)
+        _orig_params.write_back_grads(state)
     state.handle.after_shard_cast()
     state.storage_changed()
     if state.root is not None and state.root.guard is not None:
