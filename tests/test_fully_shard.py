@@ -39,7 +39,7 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
-         "divide_factor_summed", "kept_after_backward", "cast_to_float64_after"]
+         "divide_factor_summed", "kept_after_backward", "cast_to_float64_after", "matrices_on_dim_1"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -49,7 +49,7 @@ W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_
 # checkpointed parameters, bf16 outputs) go through the same code at W = 2.
 W4_CASES = ["reshard_after_forward=None", "reshard_after_forward=False", "no_gradient_sync", "meta_then_to_empty",
             "bf16_params_fp32_reduce", "fp16_params_and_reduce", "frozen_base_weights", "reshard_after_forward=2",
-            "reshard_after_forward=2_bf16"]
+            "reshard_after_forward=2_bf16", "matrices_on_dim_1"]
 # At W = 4 only: HSDP on a 2x2 mesh (replicate, shard), resharding after forward or not.
 HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False", "hsdp_2x2_reduce_scatter_only"]
 
@@ -93,6 +93,10 @@ def _build(impl: str, case: str) -> nn.Module:
         kwargs["reshard_after_forward"] = not case.endswith("=False")
     if case == "kept_after_backward":  # (torch's own test pairs set_reshard_after_backward with this)
         kwargs["reshard_after_forward"] = False
+    if case == "matrices_on_dim_1":  # every matrix's chunk along dim 1 (its columns divide by 2 and 4), 1-D ones on 0
+        from torch.distributed.tensor import Shard
+
+        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 else None
     if case == "cpu_offload":  # (no pinning without a GPU, torch's and ours)
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -232,6 +236,10 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
             if handle.collective_bytes["all_gather"] != want:
                 problems.append(f"{name} all-gathered {handle.collective_bytes['all_gather']} bytes in {STEPS} steps, "
                                 f"not {want} (its shard in forward, twice that in backward)")
+    if case == "matrices_on_dim_1":
+        dims = {p.placements[-1].dim for p in model.parameters() if p.ndim == 2}
+        if dims != {1}:
+            problems.append(f"the matrices are sharded on dims {dims}, not 1")
     if case == "cast_to_float64_after":
         dtypes = {str(t.dtype) for t in ours["grads"] + ours["params"]} | {str(p.dtype) for p in model.parameters()}
         if dtypes != {"torch.float64"}:
@@ -466,14 +474,14 @@ def _refusals(rank: int, world_size: int) -> None:
     def fresh():
         return make_gpt(vocab=VOCAB, seq=SEQ)
 
-    refusals = [
-        (dict(shard_placement_fn=lambda p: Shard(1)), "gives Shard\\(1\\) for parameter 'pos'"),
-    ]
+    with pytest.raises(AssertionError, match=r"Shard dim 1 is invalid for 1D tensor: torch.Size\(\[16\]\) \(parameter "
+                                             r"'ln1.weight'\)"):  # (torch's type and phrase)
+        fully_shard(fresh().blocks[0], shard_placement_fn=lambda p: Shard(1))
+    with pytest.raises(NotImplementedError, match=r"FSDP does not support uneven sharding on dim 1: torch.Size\(\[4, "
+                                                  r"6\]\) \(world size: 4\) \(parameter 'weight'\)"):
+        fully_shard(nn.Linear(6, 4), shard_placement_fn=lambda p: Shard(-1))
     with pytest.raises(ValueError, match=r"fully_shard expects a 1D or 2D DeviceMesh but got .*a 3-D mesh \(1, 2, 2\)"):
         fully_shard(fresh(), mesh=init_device_mesh("cpu", (1, 2, 2)))
-    for kwargs, message in refusals:
-        with pytest.raises(NotImplementedError, match=message):
-            fully_shard(fresh(), **kwargs)
     for bad, message in ((3, r"it should be a factor of 4, not 3"), (8, "a factor of 4, not 8"),
                          (0, "a factor of 4, not 0"), ("2", r"should be a bool or an int .* not '2'")):
         with pytest.raises(ValueError, match=r"fully_shard\(GPT\): .*" + message):  # (torch's phrases)

@@ -41,7 +41,10 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<std::vector<std::vector<std::int64_t>>, std::int64_t, std::int64_t>(),
            py::arg("shapes"), py::arg("shard_factor"), py::arg("alignment") = 1)
       .def_static("dim0", &FlatParamLayout::dim0, py::arg("shapes"), py::arg("shard_factor"),
-                  "FSDP2's layout: each parameter chunked on dim 0 as torch.chunk cuts it.")
+                  py::arg("shard_dims") = std::vector<std::int64_t>{},
+                  "FSDP2's layout: each parameter chunked on dim 0 as torch.chunk cuts it (or on its shard dim: "
+                  "see [Note: Sharding on another dim] in layout.h).")
+      .def_property_readonly("shard_dims", &FlatParamLayout::shard_dims)
       .def_property_readonly("kind", &FlatParamLayout::kind)
       .def("rows_per_shard", &FlatParamLayout::rows_per_shard, py::arg("index"))
       .def("row_numel", &FlatParamLayout::row_numel, py::arg("index"))

@@ -13,7 +13,7 @@ std::vector<std::pair<at::Tensor, at::Tensor>> dim0_row_pieces(const at::Tensor&
   TORCH_INTERNAL_ASSERT(layout.kind() == LayoutKind::kDim0, "flatshard: dim0_row_pieces of a flat layout");
   const std::int64_t per_shard = layout.rows_per_shard(i);
   const std::int64_t row = layout.row_numel(i);
-  const std::int64_t rows = layout.shapes()[static_cast<std::size_t>(i)][0];
+  const std::int64_t rows = layout.rows(i);
   std::vector<std::pair<at::Tensor, at::Tensor>> pieces;
   if (per_shard == 0 || row == 0) return pieces;
   const std::int64_t ranks = num_ranks < 0 ? layout.shard_factor() : num_ranks;
@@ -21,6 +21,15 @@ std::vector<std::pair<at::Tensor, at::Tensor>> dim0_row_pieces(const at::Tensor&
   const at::Tensor by_rank =
       gathered.view({ranks, layout.shard_numel()}).narrow(1, layout.offsets()[i], per_shard * row).view(
           {ranks, per_shard, row});
+  if (const std::int64_t d = layout.shard_dim(i); d > 0) {  // see [Note: Sharding on another dim] in layout.h
+    const std::vector<std::int64_t>& shape = layout.shapes()[static_cast<std::size_t>(i)];
+    std::int64_t before = 1;
+    for (std::int64_t k = 0; k < d; ++k) before *= shape[static_cast<std::size_t>(k)];
+    const std::int64_t chunk_row = row / before;  // L B: this rank's part of one slice of the dims before d
+    pieces.emplace_back(by_rank.view({ranks, before, chunk_row}),
+                        param.view({before, layout.shard_factor(), chunk_row}).narrow(1, first_rank, ranks).transpose(0, 1));
+    return pieces;
+  }
   const at::Tensor rows_of = param.view({rows, row});
   const std::int64_t full = rows / per_shard;  // ranks that hold a whole chunk: 0 .. full - 1
   const std::int64_t rest = rows - full * per_shard;  // rank `full` holds these

@@ -264,7 +264,8 @@ void FlatParamHandle::set_reduce_prefix(std::int64_t numel) {
                 " does not end at a parameter's rows");
     prefix_layout_ = FlatParamLayout::dim0(
         std::vector<std::vector<std::int64_t>>(layout_.shapes().begin(), layout_.shapes().begin() + k),
-        layout_.shard_factor());
+        layout_.shard_factor(),
+        std::vector<std::int64_t>(layout_.shard_dims().begin(), layout_.shard_dims().begin() + k));
   } else {
     TORCH_CHECK(numel == -1 || (numel > 0 && numel <= layout_.unpadded_numel()), "flatshard: unit '", name_,
                 "': a trainable prefix of ", numel, " elements for ", layout_.unpadded_numel());

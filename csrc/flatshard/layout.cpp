@@ -46,20 +46,41 @@ FlatParamLayout::FlatParamLayout(std::vector<std::vector<std::int64_t>> shapes,
   padded_numel_ = round_up(std::max<std::int64_t>(cursor, 0), shard_factor_);
 }
 
-FlatParamLayout FlatParamLayout::dim0(std::vector<std::vector<std::int64_t>> shapes, std::int64_t shard_factor) {
+FlatParamLayout FlatParamLayout::dim0(std::vector<std::vector<std::int64_t>> shapes, std::int64_t shard_factor,
+                                      std::vector<std::int64_t> shard_dims) {
+  if (shard_dims.empty()) shard_dims.assign(shapes.size(), 0);
+  if (shard_dims.size() != shapes.size()) {
+    throw std::invalid_argument("FlatParamLayout::dim0: " + std::to_string(shard_dims.size()) + " shard dims for " +
+                                std::to_string(shapes.size()) + " parameters");
+  }
   for (std::size_t i = 0; i < shapes.size(); ++i) {
     if (shapes[i].empty()) {
       throw std::invalid_argument("FlatParamLayout::dim0: parameter " + std::to_string(i) +
                                   " has no dim 0 to shard (a 0-dim tensor)");
     }
+    const std::int64_t d = shard_dims[i];
+    if (d < 0 || d >= static_cast<std::int64_t>(shapes[i].size())) {
+      throw std::invalid_argument("FlatParamLayout::dim0: parameter " + std::to_string(i) + " has " +
+                                  std::to_string(shapes[i].size()) + " dims: it cannot be sharded on dim " +
+                                  std::to_string(d));
+    }
+    if (d > 0 && shard_factor > 0 && shapes[i][static_cast<std::size_t>(d)] % shard_factor != 0) {
+      throw std::invalid_argument("FlatParamLayout::dim0: parameter " + std::to_string(i) + "'s dim " +
+                                  std::to_string(d) + " (" + std::to_string(shapes[i][static_cast<std::size_t>(d)]) +
+                                  ") does not divide by " + std::to_string(shard_factor));
+    }
   }
   FlatParamLayout layout(std::move(shapes), shard_factor);  // validates F and the dims
   layout.kind_ = LayoutKind::kDim0;
+  layout.shard_dims_ = std::move(shard_dims);
   std::int64_t cursor = 0;
   for (std::size_t i = 0; i < layout.shapes_.size(); ++i) {
-    const std::int64_t rows = layout.shapes_[i][0];
-    const std::int64_t row_numel = rows == 0 ? 0 : layout.numels_[i] / rows;
+    const std::int64_t numel = layout.numels_[i];
+    // See [Note: Sharding on another dim]: one row per rank.
+    const std::int64_t rows = layout.shard_dims_[i] == 0 ? layout.shapes_[i][0] : (numel == 0 ? 0 : shard_factor);
+    const std::int64_t row_numel = rows == 0 ? 0 : numel / rows;
     const std::int64_t per_shard = (rows + shard_factor - 1) / shard_factor;
+    layout.rows_.push_back(rows);
     layout.rows_per_shard_.push_back(per_shard);
     layout.row_numels_.push_back(row_numel);
     layout.offsets_[i] = cursor;
@@ -92,8 +113,17 @@ std::int64_t FlatParamLayout::row_numel(std::int64_t i) const {
 std::int64_t FlatParamLayout::rows_of_rank(std::int64_t i, std::int64_t rank) const {
   shard_range(rank);  // validates rank
   const std::int64_t per_shard = rows_per_shard(i);
-  const std::int64_t rows = shapes_[static_cast<std::size_t>(i)][0];
-  return std::clamp<std::int64_t>(rows - rank * per_shard, 0, per_shard);
+  return std::clamp<std::int64_t>(rows(i) - rank * per_shard, 0, per_shard);
+}
+
+std::int64_t FlatParamLayout::rows(std::int64_t i) const {
+  require_dim0(kind_, "rows");
+  return rows_.at(static_cast<std::size_t>(i));
+}
+
+std::int64_t FlatParamLayout::shard_dim(std::int64_t i) const {
+  require_dim0(kind_, "shard_dim");
+  return shard_dims_.at(static_cast<std::size_t>(i));
 }
 
 std::int64_t FlatParamLayout::total_padding_numel() const {
@@ -119,8 +149,9 @@ std::vector<ShardSlice> FlatParamLayout::shard_slices(std::int64_t rank) const {
     for (std::size_t i = 0; i < numels_.size(); ++i) {
       const auto index = static_cast<std::int64_t>(i);
       const std::int64_t numel = rows_of_rank(index, rank) * row_numels_[i];
-      if (numel > 0) {
-        slices.push_back(ShardSlice{index, rank * rows_per_shard_[i] * row_numels_[i], offsets_[i], numel});
+      if (numel > 0) {  // (sharded on another dim: its chunk is no run of the parameter's elements)
+        const std::int64_t in_param = shard_dims_[i] == 0 ? rank * rows_per_shard_[i] * row_numels_[i] : -1;
+        slices.push_back(ShardSlice{index, in_param, offsets_[i], numel});
       }
     }
     return slices;

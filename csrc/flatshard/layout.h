@@ -28,6 +28,16 @@
 // reading it out or writing it in is a copy (FlatParamHandle does both). With
 // F = 1 the dim-0 layout is the packed flat layout. Parameters need a dim 0:
 // a 0-dim one throws std::invalid_argument, as torch's Shard(0) refuses it.
+//
+// [Note: Sharding on another dim]
+// fully_shard's shard_placement_fn may give Shard(d), d > 0, for a parameter: rank r
+// keeps chunk r of it along dim d, contiguous, as torch's FSDP2 does, which requires
+// dim d to divide by F (torch refuses uneven sharding there). In the layout that chunk
+// is one row of numel / F elements: the parameter has F rows (its "rows" below), one per
+// rank, and c = 1. Reading it out or writing it in pairs the rank-major rows, viewed
+// (F, A, L B), with the parameter viewed (A, F, L B) and transposed, where A is the
+// product of the dims before d, L = d_d / F and B the product of the dims after d:
+// one strided copy (dim0_row_pieces).
 
 #include <cstdint>
 #include <vector>
@@ -37,7 +47,7 @@ namespace flatshard {
 // One parameter's piece of one rank's shard.
 struct ShardSlice {
   std::int64_t param_index;      // index into the unit's parameters
-  std::int64_t offset_in_param;  // first element of the parameter in the shard
+  std::int64_t offset_in_param;  // first element of the parameter in the shard (-1: see [Note: Sharding on another dim])
   std::int64_t offset_in_shard;  // where that element sits in the shard
   std::int64_t numel;            // elements of the parameter in the shard
 };
@@ -55,9 +65,13 @@ class FlatParamLayout {
   FlatParamLayout(std::vector<std::vector<std::int64_t>> shapes,
                   std::int64_t shard_factor,
                   std::int64_t alignment = 1);
-  // The dim-0 layout of `shapes` over F ranks (see [Note: Dim-0 layout]). Throws
-  // std::invalid_argument for F < 1, a 0-dim shape or a negative dim.
-  static FlatParamLayout dim0(std::vector<std::vector<std::int64_t>> shapes, std::int64_t shard_factor);
+  // The dim-0 layout of `shapes` over F ranks (see [Note: Dim-0 layout]), each
+  // parameter sharded on its dim `shard_dims[i]` (empty: all on dim 0; see
+  // [Note: Sharding on another dim]). Throws std::invalid_argument for F < 1, a
+  // 0-dim shape, a negative dim, a shard dim out of range or a dim d > 0 that
+  // does not divide by F.
+  static FlatParamLayout dim0(std::vector<std::vector<std::int64_t>> shapes, std::int64_t shard_factor,
+                              std::vector<std::int64_t> shard_dims = {});
 
   LayoutKind kind() const { return kind_; }
   // Dim-0 layout: parameter i's rows per shard (c_i) and elements per row; throws
@@ -66,6 +80,11 @@ class FlatParamLayout {
   std::int64_t row_numel(std::int64_t i) const;
   // Dim-0 layout: how many of parameter i's rows rank keeps (0 <= it <= c_i).
   std::int64_t rows_of_rank(std::int64_t i, std::int64_t rank) const;
+  // Dim-0 layout: parameter i's rows (its dim 0; F when sharded on another dim) and
+  // the dim it is sharded on (see [Note: Sharding on another dim]).
+  std::int64_t rows(std::int64_t i) const;
+  std::int64_t shard_dim(std::int64_t i) const;
+  const std::vector<std::int64_t>& shard_dims() const { return shard_dims_; }
 
   std::int64_t num_params() const { return static_cast<std::int64_t>(shapes_.size()); }
   const std::vector<std::vector<std::int64_t>>& shapes() const { return shapes_; }
@@ -101,6 +120,8 @@ class FlatParamLayout {
   LayoutKind kind_ = LayoutKind::kFlat;
   std::vector<std::int64_t> rows_per_shard_;  // dim-0 layout only
   std::vector<std::int64_t> row_numels_;      // dim-0 layout only
+  std::vector<std::int64_t> rows_;            // dim-0 layout only
+  std::vector<std::int64_t> shard_dims_;      // dim-0 layout only
 };
 
 }  // namespace flatshard

@@ -16,6 +16,7 @@ from torch import nn
 
 from flatshard import _C, _mixed_precision, _orig_params, _stale_optimizer
 from flatshard._common import FLAT_PARAM, OWNER_ATTR, is_unit, join
+from flatshard._fsdp2_config import shard_dims
 from flatshard._stale_optimizer import REPLACED_ATTR
 from flatshard._profiling import collective_range
 
@@ -222,8 +223,11 @@ def _build_handle(s: UnitState, params: list[nn.Parameter], local_names: list[st
     """The C++ handle (flattened and sharded) and the local shard as an nn.Parameter with torch's marks; the
     layout."""
     shapes = [list(p.shape) for p in params]
-    layout = (_C.FlatParamLayout.dim0(shapes, s.config.shard_factor) if s.config.dim0_layout
-              else _C.FlatParamLayout(shapes, s.config.shard_factor))
+    if s.config.dim0_layout:
+        layout = _C.FlatParamLayout.dim0(shapes, s.config.shard_factor,
+                                         shard_dims(s.config, params, local_names, s.config.shard_factor))
+    else:
+        layout = _C.FlatParamLayout(shapes, s.config.shard_factor)
     dtypes = _mixed_precision.flat_param_dtypes(
         s.config.mixed_precision, params[0].dtype, s.config.shard_factor == 1, s.config.offload_params, s.name,
     )

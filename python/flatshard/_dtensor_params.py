@@ -35,32 +35,36 @@ if TYPE_CHECKING:
     from flatshard._state import UnitState
 
 
-def _rows(s: UnitState) -> list[tuple[int, int, list[int]]]:
-    """(start, numel, local shape) of each parameter's rows in this rank's shard, read from the layout once per
-    unit (each read of a layout's list property copies the whole list)."""
+def _rows(s: UnitState) -> list[tuple[int, int, list[int], int]]:
+    """(start, numel, local shape, shard dim) of each parameter's rows in this rank's shard, read from the layout
+    once per unit (each read of a layout's list property copies the whole list). A parameter sharded on dim d > 0
+    holds its chunk along d (see [Note: Sharding on another dim] in csrc/flatshard/layout.h)."""
     if s.dim0_rows is None:
         layout = s.handle.layout
-        offsets, shapes, rank = layout.offsets, layout.shapes, s.handle.rank
+        offsets, shapes, dims, rank = layout.offsets, layout.shapes, layout.shard_dims, s.handle.rank
         s.dim0_rows = []
-        for i, shape in enumerate(shapes):
+        for i, (shape, dim) in enumerate(zip(shapes, dims)):
             rows = layout.rows_of_rank(i, rank)
-            s.dim0_rows.append((offsets[i], rows * layout.row_numel(i), [rows, *shape[1:]]))
+            local = [rows, *shape[1:]] if dim == 0 else [n // layout.shard_factor if k == dim else n
+                                                         for k, n in enumerate(shape)]
+            s.dim0_rows.append((offsets[i], rows * layout.row_numel(i), local, dim))
     return s.dim0_rows
 
 
 def local_views(s: UnitState, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Each parameter's rows on this rank, shaped ``(rows, *shape[1:])``, as views of ``flat`` (the local shard or
-    its gradient)."""
-    return [flat[start : start + numel].view(shape) for start, numel, shape in _rows(s)]
+    """Each parameter's rows on this rank, shaped ``(rows, *shape[1:])`` (its chunk's shape when sharded on another
+    dim), as views of ``flat`` (the local shard or its gradient)."""
+    return [flat[start : start + numel].view(shape) for start, numel, shape, _ in _rows(s)]
 
 
-def _as_dtensor(s: UnitState, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """``local`` as this rank's part of a DTensor of ``shape``: ``Shard(0)``, and ``Replicate()`` over HSDP's
-    first mesh dim."""
+def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """``local`` as this rank's part of parameter ``index``, a DTensor of ``shape``: ``Shard(d)`` on its shard dim
+    (0 unless shard_placement_fn said otherwise), and ``Replicate()`` over HSDP's first mesh dim."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = s.config.mesh
-    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    dim = _rows(s)[index][3]
+    placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
     with torch.no_grad():
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
@@ -70,8 +74,8 @@ def init(s: UnitState, params: list[nn.Parameter]) -> None:
     """At ``fully_shard``: the modules' parameters become DTensor parameters over the shard."""
     layout = s.handle.layout
     sharded = []
-    for p, local in zip(params, local_views(s, s.flat_param.detach())):
-        sharded.append(nn.Parameter(_as_dtensor(s, local, list(p.shape)), requires_grad=p.requires_grad))
+    for index, (p, local) in enumerate(zip(params, local_views(s, s.flat_param.detach()))):
+        sharded.append(nn.Parameter(_as_dtensor(s, index, local, list(p.shape)), requires_grad=p.requires_grad))
     for m, attr, index in s.param_slots:
         m._parameters[attr] = sharded[index]
     for p, fqn in zip(sharded, s.param_names):  # (an outer fully_shard must not take them again)
@@ -86,10 +90,10 @@ def use_sharded_views(s: UnitState) -> None:
     """The DTensor parameters hold views of the shard from ``init`` on; after the shard itself was replaced (moved
     to the host and back: ``move_shards_to_host``), each is swapped onto its rows of the new one, whole (its
     identity kept, so that an optimizer's references stay valid)."""
-    for p, view in zip(s.orig_params, local_views(s, s.flat_param.detach())):
+    for index, (p, view) in enumerate(zip(s.orig_params, local_views(s, s.flat_param.detach()))):
         local = p._local_tensor
         if local.data_ptr() != view.data_ptr() or local.device != view.device:
-            torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, view, list(p.shape)),
+            torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, index, view, list(p.shape)),
                                                      requires_grad=p.requires_grad))
 
 
@@ -126,13 +130,14 @@ def rebind(s: UnitState) -> None:
         for other, other_attr, other_index in s.param_slots:  # (a tied parameter's other registrations)
             if other_index == index:
                 other._parameters[other_attr] = current
-    for name, p, view in zip(s.param_names, s.orig_params, views):
+    for index, (name, p, view) in enumerate(zip(s.param_names, s.orig_params, views)):
         local = p.to_local()
         if local.data_ptr() == view.data_ptr() and local.shape == view.shape:
             continue
         _copy_into(name, local, view)
         # (A DTensor's local tensor is not what ``.data =`` sets: swapped whole, as nn.Module._apply does.)
-        torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, view, list(p.shape)), requires_grad=p.requires_grad))
+        torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, index, view, list(p.shape)),
+                                                 requires_grad=p.requires_grad))
 
 
 def _local_of_param(p: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,6 @@ def check_parameters(module: nn.Module, ignored_params: set[nn.Parameter] | None
 def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, shard_placement_fn: Callable | None,
                      mp_policy: Any, offload_policy: Any) -> None:
     from torch.distributed.fsdp import OffloadPolicy
-    from torch.distributed.tensor import Shard
 
     name = type(module).__name__
     if mesh.ndim not in (1, 2):  # (torch's ValueError; an SPMD mesh needs dp_mesh_dims, which flatshard refuses)
@@ -75,13 +74,38 @@ def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, s
         raise ValueError(f"fully_shard does not support containers that do not implement forward: {name} (no hook of "
                          f"it would ever run); call fully_shard on each of its modules, or on the module that runs "
                          f"them.")
-    if shard_placement_fn is not None:
-        for pname, p in module.named_parameters():
-            placement = shard_placement_fn(p)
-            if placement is not None and placement != Shard(0):
-                shown = f"Shard({placement.dim})" if isinstance(placement, Shard) else repr(placement)
-                raise NotImplementedError(f"fully_shard({name}): shard_placement_fn gives {shown} for parameter "
-                                          f"'{pname}'; flatshard shards on dim 0 only so far.")
+
+
+def shard_dims(config: UnitConfig, params: list[nn.Parameter], names: list[str], world_size: int) -> list[int]:
+    """Each parameter's shard dim from ``shard_placement_fn`` (torch's rules: None is Shard(0), a negative dim
+    counts from the end; a dim the parameter lacks, a dim d > 0 that does not divide by the shard group's size and
+    another mesh are refused with torch's error types)."""
+    from torch.distributed.tensor import Shard
+
+    fn = config.shard_placement_fn
+    if fn is None:
+        return [0] * len(params)
+    dims = []
+    for name, p in zip(names, params):
+        placement = fn(p)
+        if placement is not None and not isinstance(placement, Shard):
+            if type(placement).__name__ == "ShardPlacementResult":
+                mesh_info = getattr(placement, "mesh_info", None)
+                if getattr(mesh_info, "mesh", config.mesh) is not config.mesh:
+                    raise NotImplementedError(f"fully_shard: shard_placement_fn gives parameter '{name}' a mesh of its "
+                                              f"own; flatshard shards every parameter of a unit over the unit's mesh.")
+                placement = placement.placement
+            else:
+                raise ValueError(f"Invalid shard_placement_fn result: {placement} (for parameter '{name}')")
+        dim = 0 if placement is None else placement.dim
+        dim = dim + p.ndim if dim < 0 else dim
+        if dim >= p.ndim:  # (torch's AssertionError and phrase)
+            raise AssertionError(f"Shard dim {dim} is invalid for {p.ndim}D tensor: {p.shape} (parameter '{name}')")
+        if dim > 0 and p.shape[dim] % world_size != 0:  # (torch's NotImplementedError and phrase)
+            raise NotImplementedError(f"FSDP does not support uneven sharding on dim {dim}: {p.shape} (world size: "
+                                      f"{world_size}) (parameter '{name}')")
+        dims.append(dim)
+    return dims
 
 
 def _reshard_to(module: nn.Module, reshard_after_forward: Any, shard_size: int) -> bool | int:
@@ -184,6 +208,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         ignored_params=frozenset(ignored_params or ()),
         dim0_layout=True,
         mesh=mesh,
+        shard_placement_fn=shard_placement_fn,
         # A meta-device module's tensors: uninitialized on the device, as to_empty makes them (FSDP2's users
         # initialize after sharding: to_empty, then their own in-place init), not reset_parameters().
         meta_to_empty=True,

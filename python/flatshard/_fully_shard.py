@@ -19,9 +19,9 @@ the class is only what the front-end resolves and how it presents the parameters
 This first version trains on a 1-D mesh or HSDP's 2-D one, ``reshard_after_forward`` True, False or an int (None:
 True, and the root keeps its parameters after forward; an int N: see [Note: Reshard to a smaller group] in
 csrc/flatshard/flat_param.h), ``mp_policy`` (every field), ``CPUOffloadPolicy`` (the runtime's offload),
-``ignored_params``, and ``shard_placement_fn`` giving ``Shard(0)``. What it does not support yet raises
-NotImplementedError naming the argument or method: meshes of 3 or more dims,
-``Shard(i)`` for i > 0, and the FSDPModule methods listed in ``_NOT_YET``. A list of modules is one unit (see
+``ignored_params``, and ``shard_placement_fn`` giving ``Shard(i)`` (see [Note: Sharding on another dim] in
+csrc/flatshard/layout.h). What it does not support yet raises NotImplementedError naming the argument or method:
+meshes of 3 or more dims, a parameter given a mesh of its own, and the FSDPModule methods listed in ``_NOT_YET``. A list of modules is one unit (see
 [Note: A list of modules]).
 """
 

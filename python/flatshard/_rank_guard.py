@@ -324,7 +324,8 @@ class RankGuard:
 # shapes (in flat order), mixed precision, offload and use_orig_params; the unit's
 # name and its parameters' names are in the description only, to say which unit
 # differs. Layout keys are named first when explaining a difference.
-_LAYOUT_KEYS = ("strategy", "shapes", "dtype", "shard_factor", "mixed_precision", "cpu_offload", "use_orig_params")
+_LAYOUT_KEYS = ("strategy", "shapes", "shard_dims", "dtype", "shard_factor", "mixed_precision", "cpu_offload",
+                "use_orig_params")
 
 
 def _describe_unit(s: UnitState) -> dict[str, Any]:
@@ -340,6 +341,8 @@ def _describe_unit(s: UnitState) -> dict[str, Any]:
     if handle is not None:
         out.update(parameters=list(s.param_local_names), shapes=[list(shape) for shape in handle.layout.shapes],
                    dtype=str(s.flat_param.dtype), shard_factor=handle.layout.shard_factor)
+        if s.config.dim0_layout and any(handle.layout.shard_dims):
+            out["shard_dims"] = list(handle.layout.shard_dims)
     return out
 
 

@@ -143,6 +143,24 @@ TEST(FlatParamLayout, Dim0SmallExample) {
   EXPECT_THROW(FlatParamLayout({{2}}, 2).rows_per_shard(0), std::logic_error);
 }
 
+// [Note: Sharding on another dim]: a 2x4x6 sharded on dim 1 over F = 2 is 2 rows (one a rank) of 24 elements;
+// its neighbour on dim 0 is laid out as usual. Dims out of range, or that do not divide by F, are refused.
+TEST(FlatParamLayout, Dim0ShardedOnAnotherDim) {
+  const FlatParamLayout layout = FlatParamLayout::dim0({{2, 4, 6}, {3}}, 2, {1, 0});
+  EXPECT_EQ(layout.shard_dims(), (std::vector<std::int64_t>{1, 0}));
+  EXPECT_EQ(layout.rows(0), 2);
+  EXPECT_EQ(layout.rows_per_shard(0), 1);
+  EXPECT_EQ(layout.row_numel(0), 24);
+  EXPECT_EQ(layout.rows_of_rank(0, 1), 1);
+  EXPECT_EQ(layout.shard_dim(1), 0);
+  EXPECT_EQ(layout.rows(1), 3);
+  EXPECT_EQ(layout.shard_numel(), 24 + 2);
+  EXPECT_EQ(layout.shard_slices(1)[0].offset_in_param, -1);  // (no run of the parameter's elements)
+  EXPECT_THROW(FlatParamLayout::dim0({{2, 3}}, 2, {1}), std::invalid_argument);  // 3 columns over 2 ranks
+  EXPECT_THROW(FlatParamLayout::dim0({{4}}, 2, {1}), std::invalid_argument);     // no dim 1
+  EXPECT_THROW(FlatParamLayout::dim0({{4}}, 2, {0, 0}), std::invalid_argument);  // two dims for one parameter
+}
+
 // Property: with F = 1 the dim-0 layout is the packed flat one; for any F, rank r holds exactly the rows
 // torch.chunk(param, F)[r] holds (chunks of ceil(d0 / F) rows, then empty ones), each parameter's rows of
 // all ranks cover it once, and a parameter's slot in the shard (c rows) holds its slice.
