@@ -90,6 +90,54 @@ def _counted(rank, world_size):
                             "planned": {u.name: t.as_dict() for u, t in zip(planned.units, planned.traffic)},
                             "group_bytes": {kind_: sum(v[kind_][1] for v in groups.values())
                                             for kind_ in ("all_gather", "reduce_scatter", "all_reduce")}})
+    out += _counted_fully_shard(rank, world_size)
+    return out
+
+
+def _counted_fully_shard(rank, world_size):
+    """The same for ``fully_shard`` on each block (the policy's modules), then the root (see [Note: A fully_shard
+    plan] in flatshard/plan/__init__.py): resharding None, True and False, bf16, HSDP at W = 4, frozen weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import flatshard
+    from flatshard import _C
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    cases = [("gpt", None, None, False, False), ("gpt", True, bf16, False, False), ("gpt", False, None, False, False),
+             ("gpt", None, None, False, True), ("odd", None, None, False, False)]
+    if world_size == 4:
+        cases.append(("gpt", None, None, True, False))
+    out = []
+    for kind, reshard, mixed, hybrid, frozen in cases:
+        plans = []
+        for device in (None, "meta"):
+            module, policy = _build(kind, device)
+            if frozen:  # (LoRA's shape: the projections frozen; only the trainable rows are reduce-scattered)
+                for block in module.blocks:
+                    block.attn.qkv.weight.requires_grad_(False)
+            plans.append((module, policy))
+        (module, policy), (meta_module, meta_policy) = plans
+        mesh = (init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hybrid
+                else init_device_mesh("cpu", (world_size,)))
+        kwargs = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed or MixedPrecisionPolicy())
+        targets = [m for m in module.modules() if m is not module and isinstance(m, tuple(policy._module_classes))]
+        for target in reversed(targets):
+            flatshard.fully_shard(target, **kwargs)
+        flatshard.fully_shard(module, **kwargs)
+        _loss(kind, module, rank, world_size).backward()  # lazy init, first iteration
+        names = {m: name for name, m in module.named_modules()}
+        units = [m for m in [module, *targets] if m._unit_state.handle is not None]
+        for u in units:
+            u._unit_state.handle.reset_collective_bytes()
+        _loss(kind, module, rank, world_size).backward()
+        counted = {names[u]: u._unit_state.handle.collective_bytes for u in units}
+        planned = flatshard.plan(meta_module, world_size, api="fully_shard", auto_wrap_policy=meta_policy,
+                                 reshard_after_forward=reshard, mixed_precision=mixed, ranks_per_host=2,
+                                 sharding_strategy=ShardingStrategy.HYBRID_SHARD if hybrid else None)
+        out.append({"case": f"fully_shard {kind} reshard={reshard} {'bf16' if mixed else 'fp32'}"
+                            f"{' hsdp' if hybrid else ''}{' frozen' if frozen else ''}", "counted": counted,
+                    "planned": {u.name: t.as_dict() for u, t in zip(planned.units, planned.traffic)}})
     return out
 
 
@@ -99,6 +147,8 @@ def test_planned_collective_bytes_equal_counted_bytes(world_size):
         for case in cases:
             where = f"rank {rank}, W={world_size}, {case['case']}"
             assert case["planned"] == case["counted"], f"{where}: planned {case['planned']} vs counted {case['counted']}"
+            if "group_bytes" not in case:  # (fully_shard's: the meshes' groups are counted apart)
+                continue
             totals = {k: sum(b[k] for b in case["counted"].values()) for k in ("all_gather", "reduce_scatter")}
             totals["all_reduce"] = sum(b["all_reduce"] + b["replica_all_reduce"] for b in case["counted"].values())
             assert totals == case["group_bytes"], f"{where}: per unit {totals} vs per group {case['group_bytes']}"
@@ -171,6 +221,9 @@ def separate_runs(tmp_path_factory):
         if importlib.util.find_spec("transformers") is not None:
             runs.update({name: ["--hf-config", _llama_config(where, name, *shape), "--world-size", "64",
                                 "--mixed-precision", "bf16", "--json"] for name, shape in LLAMAS.items()})
+            runs["llama3_8b_fully_shard"] = ["--hf-config", _llama_config(where, "fs", *LLAMAS["llama3_8b"]),
+                                             "--world-size", "48", "--mixed-precision", "bf16", "--json",
+                                             "--api", "fully_shard"]
             small = ["--hf-config", _llama_config(where, *SMALL_LLAMA), "--world-size", "8"]
             runs.update(measured=[*small, "--batch-size", "2", "--seq-len", "64", "--json"], unmeasured=small)
         (where / "runs.json").write_text(json.dumps(runs))
@@ -220,6 +273,27 @@ def test_cli_on_llama_shapes_matches_hand_computed_totals(name, separate_runs):
     # bf16 all-gathers: each layer twice (forward, backward), the root once; bf16 reduce-scatters of the padded units.
     assert step["all_gather"] == 2 * (layers * 2 * padded(layer) // world + padded(root) // world)
     assert step["reduce_scatter"] == 2 * (layers * padded(layer) + padded(root))
+
+
+def test_cli_fully_shard_plan_on_llama3_8b_matches_hand_computed_totals(separate_runs):
+    """``--api fully_shard`` at W = 48, where no projection's rows divide by the world size: each parameter is padded
+    to whole rows per rank (FSDP2's dim-0 layout), not the unit as a whole."""
+    pytest.importorskip("transformers")
+    vocab, hidden, inter, layers, heads, kv = LLAMAS["llama3_8b"]
+    world = 48
+    got = json.loads(_cli(separate_runs, "llama3_8b_fully_shard"))
+    rows = lambda d0, row: -(-d0 // world) * row  # noqa: E731 - one rank's rows of a (d0, row) parameter
+    kv_dim = hidden // heads * kv
+    layer = (2 * rows(hidden, hidden) + 2 * rows(kv_dim, hidden) + 2 * rows(inter, hidden) + rows(hidden, inter)
+             + 2 * rows(hidden, 1))
+    root = 2 * rows(vocab, hidden) + rows(hidden, 1)
+    assert got["memory_per_rank"]["sharded_params"] == (layers * layer + root) * 4
+    step = got["step_collective_bytes"]
+    assert step["all_gather"] == 2 * (layers * 2 * layer + root)  # bf16; each layer twice, the root once
+    assert step["reduce_scatter"] == 2 * world * (layers * layer + root)
+    flat = lambda n: -(-n // world)  # noqa: E731 - the class's shard of a unit of n elements, for contrast
+    layer_numel = hidden * hidden * 2 + hidden * kv_dim * 2 + 3 * hidden * inter + 2 * hidden
+    assert layers * layer > layers * flat(layer_numel)  # (the per-parameter padding is what differs)
 
 
 def test_planned_bytes_equal_counted_bytes_under_the_fake_process_group(separate_runs):
@@ -425,3 +499,21 @@ def test_step_time_model():
         flatshard.plan(meta, 4, auto_wrap_policy=policy, network="ethernet")
     with pytest.raises(ValueError, match=r"expected a positive bandwidth"):
         Network("bad", bandwidth=0)
+
+
+def test_fully_shard_plan_refuses_what_it_does_not_model():
+    from torch.distributed.fsdp import MixedPrecision as TorchFSDP1MixedPrecision
+
+    import flatshard
+
+    model, policy = _build("gpt", "meta")
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2: an int is not planned yet"):
+        flatshard.plan(model, 4, api="fully_shard", auto_wrap_policy=policy, reshard_after_forward=2)
+    with pytest.raises(ValueError, match=r"reshard_after_forward is fully_shard's argument \(api='fully_shard'\)"):
+        flatshard.plan(model, 4, auto_wrap_policy=policy, reshard_after_forward=False)
+    with pytest.raises(ValueError, match=r"takes sharding_strategy None, FULL_SHARD .* but got SHARD_GRAD_OP"):
+        flatshard.plan(model, 4, api="fully_shard", sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
+    with pytest.raises(TypeError, match=r"takes mixed_precision as torch's MixedPrecisionPolicy but got MixedPrecision"):
+        flatshard.plan(model, 4, api="fully_shard", mixed_precision=TorchFSDP1MixedPrecision(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"api: expected 'class' or 'fully_shard' but got 'fsdp2'"):
+        flatshard.plan(model, 4, api="fsdp2")

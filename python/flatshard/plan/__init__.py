@@ -10,6 +10,17 @@ the runtime counts the same bytes, ``_C.FlatParamHandle.collective_bytes``), and
 memory flatshard holds (``_costs.py``, [Note: What a rank holds]). ``python -m
 flatshard.plan`` does this from an HF config. (``flatshard.plan`` is the package, callable: see
 ``_CallablePackage``.)
+
+[Note: A fully_shard plan]
+``plan(model, W, api="fully_shard", auto_wrap_policy=..., ...)`` plans what ``fully_shard`` called on each
+module the policy picks (bottom-up, as FSDP2 users call it on each block), then on the root, holds and moves:
+the same units, with FSDP2's dim-0 layout (each parameter padded to whole rows per rank, so the shards differ from
+the class's flat ones), ``mixed_precision`` given as torch's ``MixedPrecisionPolicy`` (reduced in
+``reduce_dtype``, else ``param_dtype``), ``cpu_offload`` as ``CPUOffloadPolicy``, a 2-D mesh as
+``sharding_strategy=HYBRID_SHARD`` (replicated over hosts of ``ranks_per_host``), ``reshard_after_forward``
+True, False or None (the root keeping its parameters after forward unless it is True), and only the trainable
+parameters' rows reduce-scattered where some are frozen. An int ``reshard_after_forward`` is refused: what a unit
+keeps between its forward and backward is not in the timeline yet.
 """
 
 from __future__ import annotations
@@ -162,6 +173,8 @@ def plan(
     network: Network | str | None = None,
     compute: tuple[float, float, float] | None = None,
     overlap: bool | None = None,
+    api: str = "class",
+    reshard_after_forward: bool | None = None,
 ) -> Plan:
     """What ``FullyShardedDataParallel(model, ...)`` at ``world_size`` ranks holds and moves per rank (see
     [Note: Planning]). ``model`` may be on the meta device. Hybrid strategies shard within groups of
@@ -177,7 +190,17 @@ def plan(
     ``device``: "cuda" or "cpu" (training on the host itself: offloaded shards are used where they are).
     ``network`` ("nvlink", "infiniband" or a ``Network``) and ``compute`` (seconds of the forward, backward and
     optimizer step of one rank's batch, ``measure_compute``): one step's time (see [Note: The timing model]);
-    ``overlap``: whether collectives overlap the compute (default: on "cuda")."""
+    ``overlap``: whether collectives overlap the compute (default: on "cuda").
+    ``api``: "class" (``FullyShardedDataParallel``) or "fully_shard" (see [Note: A fully_shard plan]), whose
+    ``reshard_after_forward`` is FSDP2's argument."""
+    if api not in ("class", "fully_shard"):
+        raise ValueError(f"flatshard.plan: api: expected 'class' or 'fully_shard' but got {api!r}")
+    if api == "fully_shard":
+        sharding_strategy, mixed_precision, cpu_offload = _as_fully_shard(
+            sharding_strategy, reshard_after_forward, mixed_precision, cpu_offload, use_orig_params)
+    elif reshard_after_forward is not None:
+        raise ValueError("flatshard.plan: reshard_after_forward is fully_shard's argument (api='fully_shard'); the "
+                         "class's is sharding_strategy (FULL_SHARD or SHARD_GRAD_OP)")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"flatshard.plan: device: expected 'cuda' or 'cpu' but got {device!r}")
     if backend not in ("nccl", "gloo", "fake"):
@@ -195,7 +218,8 @@ def plan(
     offload = bool(cpu_offload is not None and cpu_offload.offload_params)
     shard_factor = 1 if strategy == ShardingStrategy.NO_SHARD else shard_group
     units = planned_units(model, shard_factor, strategy, auto_wrap_policy, mixed_precision, offload,
-                          use_orig_params, ignored_modules)
+                          use_orig_params or api == "fully_shard", ignored_modules, fully_shard=api == "fully_shard",
+                          root_reshards_after_forward=reshard_after_forward is True)
     traffic = [unit_traffic(u, shard_group, replicate_group) for u in units]
     memory = rank_memory(units, optimizer, offload, no_sync, activation_bytes, optimizer_foreach, backend,
                          compute_on_host=device == "cpu", shard_group_size=shard_group,
@@ -210,6 +234,40 @@ def plan(
         timing = step_time(units, shard_group, replicate_group, network, compute or (0.0, 0.0, 0.0),
                            overlap=device == "cuda" if overlap is None else overlap, gloo=backend == "gloo")
     return Plan(world_size, strategy, shard_group, replicate_group, units, traffic, memory, timing)
+
+
+def _as_fully_shard(strategy: ShardingStrategy | None, reshard_after_forward: Any, mixed_precision: Any,
+                    cpu_offload: Any, use_orig_params: bool) -> tuple[ShardingStrategy, Any, Any]:
+    """fully_shard's arguments as the runtime's strategy, MixedPrecision and CPUOffload (see [Note: A fully_shard
+    plan])."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    from flatshard._fsdp2_config import _mixed_precision
+
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"flatshard.plan: reshard_after_forward={reshard_after_forward!r}: an int is not "
+                                  f"planned yet (what a unit keeps between its forward and backward); plan True or "
+                                  f"False")
+    if strategy not in (None, ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
+        raise ValueError(f"flatshard.plan: api='fully_shard' takes sharding_strategy None, FULL_SHARD (a 1-D mesh) or "
+                         f"HYBRID_SHARD (a 2-D mesh) but got {strategy.name}; resharding is reshard_after_forward")
+    if use_orig_params:
+        raise ValueError("flatshard.plan: use_orig_params is the class's argument; fully_shard's parameters are "
+                         "always the original ones")
+    hybrid = strategy == ShardingStrategy.HYBRID_SHARD
+    keeps = reshard_after_forward is False
+    strategy = {(False, False): ShardingStrategy.FULL_SHARD, (False, True): ShardingStrategy.SHARD_GRAD_OP,
+                (True, False): ShardingStrategy.HYBRID_SHARD,
+                (True, True): ShardingStrategy._HYBRID_SHARD_ZERO2}[(hybrid, keeps)]
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+        raise TypeError(f"flatshard.plan: api='fully_shard' takes mixed_precision as torch's MixedPrecisionPolicy but "
+                        f"got {type(mixed_precision).__name__}")
+    if cpu_offload is not None and not isinstance(cpu_offload, OffloadPolicy):
+        raise TypeError(f"flatshard.plan: api='fully_shard' takes cpu_offload as torch's CPUOffloadPolicy (or "
+                        f"OffloadPolicy) but got {type(cpu_offload).__name__}")
+    mp = None if mixed_precision is None else _mixed_precision(mixed_precision)
+    offload = CPUOffload(offload_params=True) if isinstance(cpu_offload, CPUOffloadPolicy) else None
+    return strategy, mp, offload
 
 
 class _CallablePackage(types.ModuleType):

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wrap", nargs="*", help="module classes to make units of (default: _no_split_modules)")
     parser.add_argument("--ranks-per-host", type=int, default=8, help="hybrid sharding's shard group size")
     parser.add_argument("--use-orig-params", action="store_true")
+    parser.add_argument("--api", choices=["class", "fully_shard"], default="class",
+                        help="FullyShardedDataParallel, or fully_shard on each --wrap module then the root (--strategy "
+                             "SHARD_GRAD_OP: reshard_after_forward=False; HYBRID_SHARD: a 2-D mesh)")
     parser.add_argument("--no-sync", action="store_true", help="the memory of accumulating with no_sync()")
     parser.add_argument("--batch-size", type=int, help="one rank's batch: measure the activation term (with --seq-len)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence of that batch")
@@ -76,10 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         activations, compute = _measured_step(config, args.batch_size, args.seq_len, compute_dtype)
 
     def plan_at(world_size: int, strategy: ShardingStrategy):
+        kwargs = dict(sharding_strategy=strategy, mixed_precision=mixed,
+                      cpu_offload=CPUOffload(offload_params=args.cpu_offload), use_orig_params=args.use_orig_params)
+        if args.api == "fully_shard":  # (see [Note: A fully_shard plan] in plan/__init__.py)
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+            if strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
+                                ShardingStrategy.HYBRID_SHARD):
+                parser.error(f"--api fully_shard: --strategy {strategy.name} has no fully_shard equivalent")
+            kwargs = dict(
+                api="fully_shard",
+                sharding_strategy=ShardingStrategy.HYBRID_SHARD if strategy == ShardingStrategy.HYBRID_SHARD else None,
+                reshard_after_forward=False if strategy == ShardingStrategy.SHARD_GRAD_OP else None,
+                mixed_precision=None if mixed is None else MixedPrecisionPolicy(param_dtype=mixed.param_dtype,
+                                                                                reduce_dtype=mixed.reduce_dtype),
+                cpu_offload=CPUOffloadPolicy() if args.cpu_offload else None)
         return make_plan(
-            model, world_size, auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
-            sharding_strategy=strategy, mixed_precision=mixed, cpu_offload=CPUOffload(offload_params=args.cpu_offload),
-            use_orig_params=args.use_orig_params, optimizer=args.optimizer, ranks_per_host=args.ranks_per_host,
+            model, world_size, auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None, **kwargs,
+            optimizer=args.optimizer, ranks_per_host=args.ranks_per_host,
             no_sync=args.no_sync, activation_bytes=activations, network=args.network, compute=compute)
 
     result = plan_at(args.world_size, strategy)

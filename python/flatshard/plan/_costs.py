@@ -5,10 +5,12 @@ Per unit, for one forward and one backward whose gradients are reduced (the inpu
 each collective, as the runtime counts them, see [Note: Collective byte counters]):
 - a sharded unit (shard factor > 1) all-gathers its shard in ``param_dtype`` before its
   forward, and again before its backward if it reshards after forward (FULL_SHARD and
-  HYBRID_SHARD; never the root, which stays unsharded from its forward to its backward);
+  HYBRID_SHARD; never the root, which stays unsharded from its forward to its backward, unless
+  fully_shard was given reshard_after_forward=True);
 - it reduce-scatters its whole padded flat gradient in ``reduce_dtype``, or, with original
   parameters mixing frozen and trainable ones, all-reduces the trainable prefix only
-  ([Note: Trainable prefix]);
+  ([Note: Trainable prefix]); fully_shard's reduce-scatters the trainable parameters' rows of
+  every rank's shard;
 - with hybrid sharding it then all-reduces its gradient shard over the replicate group;
 - a replicated unit (NO_SHARD, or a shard group of one) gathers nothing and all-reduces its
   gradient over the shard group when that group has more than one rank.
@@ -89,12 +91,14 @@ def unit_traffic(unit: PlannedUnit, shard_group_size: int, replicate_group_size:
         if shard_group_size > 1 and unit.trainable_numel:
             traffic.all_reduce = layout.padded_numel * reduce_size
         return traffic
-    gathers = 1 + (unit.reshard_after_forward and not unit.is_root)
+    gathers = 1 + (unit.reshard_after_forward and (not unit.is_root or unit.root_reshards_after_forward))
     traffic.all_gather = gathers * layout.shard_numel * _size(unit.param_dtype)
     if not unit.trainable_numel:
         return traffic
     if unit.reduces_prefix:
         traffic.all_reduce = _trainable_prefix(unit) * reduce_size
+    elif unit.reduce_shard_numel is not None:  # fully_shard's: the trainable rows of every rank's shard
+        traffic.reduce_scatter = unit.reduce_shard_numel * layout.shard_factor * reduce_size
     else:
         traffic.reduce_scatter = layout.padded_numel * reduce_size
     if replicate_group_size > 1:

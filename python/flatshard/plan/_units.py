@@ -38,6 +38,11 @@ class PlannedUnit:
     reshard_after_forward: bool
     reduces_prefix: bool  # use_orig_params with frozen and trainable parameters: an all-reduce of the prefix
     param_names: tuple[str, ...] = ()  # its parameters' names under the root (shared ones once)
+    # fully_shard's (see [Note: A fully_shard plan] in plan/__init__.py): the root frees its parameters after
+    # forward too (reshard_after_forward=True given), and the elements of each rank's shard its reduce-scatter
+    # takes (frozen parameters: the trainable rows alone; else the whole shard)
+    root_reshards_after_forward: bool = False
+    reduce_shard_numel: int | None = None
 
     @property
     def replicated(self) -> bool:
@@ -53,8 +58,12 @@ def planned_units(
     offload_params: bool = False,
     use_orig_params: bool = False,
     ignored_modules: Iterable[nn.Module] = (),
+    fully_shard: bool = False,
+    root_reshards_after_forward: bool = False,
 ) -> list[PlannedUnit]:
-    """The units of ``FullyShardedDataParallel(model, ...)``, the root first, then in module order."""
+    """The units of ``FullyShardedDataParallel(model, ...)``, the root first, then in module order; with
+    ``fully_shard``, those of ``fully_shard`` called on each module the policy picks, then on the root (FSDP2's
+    dim-0 layout, its original parameters, its trainable rows reduce-scattered)."""
     ignored = {m for top in ignored_modules for m in top.modules()}
     ignored_params = {p for m in ignored for p in m.parameters(recurse=False)}
     overrides: dict[nn.Module, dict[str, Any]] = {model: {}}
@@ -77,18 +86,27 @@ def planned_units(
         dtype = params[0].dtype
         dtypes = _mixed_precision.flat_param_dtypes(unit_mp, dtype, factor == 1, offload_params, names[target])
         trainable = sum(p.numel() for p in params if p.requires_grad)
+        shapes = [list(p.shape) for p in params]
+        layout = _C.FlatParamLayout.dim0(shapes, factor) if fully_shard else _C.FlatParamLayout(shapes, factor)
+        reduce_shard_numel = None
+        if fully_shard:  # (trainable parameters first: their rows are the shard's prefix, see [Note: Trainable prefix])
+            reduce_shard_numel = sum(layout.rows_per_shard(i) * layout.row_numel(i)
+                                     for i, p in enumerate(params) if p.requires_grad)
         units.append(PlannedUnit(
             name=names[target],
             numel=sum(p.numel() for p in params),
             trainable_numel=trainable,
-            layout=_C.FlatParamLayout([list(p.shape) for p in params], factor),
+            layout=layout,
             dtype=dtype,
             param_dtype=dtypes["param_dtype"] or dtype,
             reduce_dtype=dtypes["reduce_dtype"] or dtype,
             is_root=target is model,
             reshard_after_forward=unit_strategy in RESHARD_AFTER_FORWARD,
-            reduces_prefix=(use_orig_params and 0 < trainable < sum(p.numel() for p in params) and factor > 1),
+            reduces_prefix=(not fully_shard and use_orig_params and 0 < trainable < sum(p.numel() for p in params)
+                            and factor > 1),
             param_names=tuple(param_names[id(p)] for p in params if id(p) in param_names),
+            root_reshards_after_forward=fully_shard and target is model and root_reshards_after_forward,
+            reduce_shard_numel=reduce_shard_numel,
         ))
     return units
 
