@@ -28,6 +28,22 @@ void resize_storage(c10::StorageImpl* storage, std::size_t nbytes) {
   storage->set_nbytes(nbytes);
 }
 
+// [Note: Buffers made without memory]
+// A unit's unsharded buffers are storage-less between iterations, but their views (the placeholders,
+// the all-gather's target) must be made while the storage is large enough, or ATen's bounds checks
+// refuse them (and set_ would grow the storage back). Allocating the buffer only to free it again
+// costs a transient of the whole unit at every construction (on a GPU, a block the caching allocator
+// keeps). So the buffer's storage is made with its byte size and no memory (a null pointer, the
+// device's allocator for later), its views are made, and then it is resized to nothing: no byte of it
+// is ever allocated before the first unshard. Nothing reads it in between.
+at::Tensor empty_without_memory(std::int64_t numel, const at::TensorOptions& options) {
+  at::Tensor probe = at::empty({0}, options);
+  const std::size_t nbytes = static_cast<std::size_t>(numel) * probe.element_size();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, at::DataPtr(nullptr, probe.device()),
+                       probe.storage().allocator(), /*resizable=*/true);
+  return probe.set_(std::move(storage), 0, {numel}, {1});
+}
+
 std::string shape_str(at::IntArrayRef shape) {
   std::string s = "[";
   for (std::size_t i = 0; i < shape.size(); ++i) {
@@ -134,7 +150,16 @@ FlatParamHandle::FlatParamHandle(std::string name, FlatParamLayout layout, std::
   // On a CPU-only run the host is the compute device: offloading moves nothing.
   offload_ = opts.offload && compute_device_.type() != c10::DeviceType::CPU;
   pin_host_memory_ = opts.pin_host_memory;
-  {
+  if (options.device().is_meta()) {  // see [Note: A shard from meta parameters]
+    TORCH_CHECK(opts.compute_device.has_value() && !opts.compute_device->is_meta(), "flatshard: unit '", name_,
+                "': its parameters are on the meta device: the handle needs the compute device to put the shard on");
+    for (const at::Tensor& p : params) {
+      TORCH_CHECK(p.is_meta(), "flatshard: unit '", name_, "' mixes meta and real parameters; materialize them all "
+                  "or none before sharding");
+    }
+    local_shard_ = at::empty({layout_.shard_numel()}, options.device(offload_ ? c10::Device(c10::kCPU) : compute_device_));
+    if (offload_ && pin_host_memory_) local_shard_ = local_shard_.pin_memory();
+  } else {
     // The full flat tensor lives only until the shard is cut from it.
     const at::Tensor flat = flatten(params, layout_, options);
     const auto [begin, end] = layout_.shard_range(rank_);
@@ -157,9 +182,10 @@ void FlatParamHandle::make_buffers() {
     placeholder_views_ = views_of(unsharded_, layout_);
     state_ = ShardedState::kUnsharded;
   } else {
-    // Everything that aliases the buffer is made while it has storage (set_
-    // would grow an empty storage back), then the storage is dropped.
-    unsharded_ = at::empty({layout_.padded_numel()}, compute);
+    // Everything that aliases the buffer is made while its storage has its size
+    // (set_ would grow an empty storage back), then the storage is dropped; no
+    // memory meanwhile (see [Note: Buffers made without memory]).
+    unsharded_ = empty_without_memory(layout_.padded_numel(), compute);
     all_gather_target_ = at::empty({0}, compute);
     all_gather_target_.set_(unsharded_.storage(), 0, {layout_.padded_numel()}, {1});
     if (copies_out()) {
@@ -167,11 +193,11 @@ void FlatParamHandle::make_buffers() {
       // [Note: Unsharded storage]); the gathered buffer is nobody's view.
       packed_layout_.emplace(layout_.shapes(), 1);
       const FlatParamLayout& packed = *packed_layout_;
-      params_ = at::empty({packed.padded_numel()}, compute);
+      params_ = empty_without_memory(packed.padded_numel(), compute);
       params_target_ = at::empty({0}, compute);
       params_target_.set_(params_.storage(), 0, {packed.padded_numel()}, {1});
       if (casts_) {
-        const at::Tensor base = at::empty({packed.padded_numel()}, options.device(compute_device_));
+        const at::Tensor base = empty_without_memory(packed.padded_numel(), options.device(compute_device_));
         placeholder_views_ = views_of(base, packed);
         resize_storage(base.storage().unsafeGetStorageImpl(), 0);
       } else {
@@ -183,7 +209,7 @@ void FlatParamHandle::make_buffers() {
     } else if (casts_) {
       // Between iterations the modules see the parameters' own dtype (see [Note: Placeholders]).
       // The views keep their base alive: its storage goes too, not only theirs.
-      const at::Tensor base = at::empty({layout_.padded_numel()}, options.device(compute_device_));
+      const at::Tensor base = empty_without_memory(layout_.padded_numel(), options.device(compute_device_));
       placeholder_views_ = views_of(base, layout_);
       resize_storage(base.storage().unsafeGetStorageImpl(), 0);
     } else {

@@ -119,6 +119,12 @@ class FlatParamHandle {
   // device) and keeps `rank`'s shard as a fresh tensor. Throws c10::Error
   // naming the parameter when a shape does not match the layout, or naming
   // the option when a dtype is not floating point.
+  //
+  // [Note: A shard from meta parameters]
+  // Parameters on the meta device (fully_shard on a model built on meta, torchtitan's way: its users
+  // `to_empty` and initialize in place afterwards) give an uninitialized shard on the compute device
+  // (the host with offload), as `to_empty` would: the unit's full parameters never exist, so a model
+  // larger than one device can be sharded from meta. Needs `compute_device`.
   FlatParamHandle(std::string name, FlatParamLayout layout, std::int64_t rank,
             const std::vector<at::Tensor>& params, const FlatParamOptions& options = {});
   ~FlatParamHandle();

@@ -163,12 +163,14 @@ def _materialize(s: UnitState, unit_mods: list[tuple[str, nn.Module]]) -> dict[i
             real = [t for _, m in unit_mods for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
             if real:
                 s.device = real[0].device
+    elif s.config.meta_to_empty:  # the parameters stay on meta: the handle allocates the shard alone (see
+        meta_originals = {}      # [Note: A shard from meta parameters] in csrc/flatshard/flat_param.h)
     else:
-        meta_originals = materialize_meta(unit_mods, s.device, s.name, initialize=not s.config.meta_to_empty)
+        meta_originals = materialize_meta(unit_mods, s.device, s.name)
     for _, m in unit_mods:  # buffers go where the parameters go (torch moves the whole module)
         for attr, b in m._buffers.items():
             if b is not None and b.device != s.device:
-                m._buffers[attr] = b.to(s.device)
+                m._buffers[attr] = torch.empty_like(b, device=s.device) if b.is_meta else b.to(s.device)
     return meta_originals
 
 
@@ -186,7 +188,7 @@ def _collect_params(s: UnitState, unit_mods: list[tuple[str, nn.Module]], ignore
             if p is None or p in ignored_params:
                 continue
             fqn = join(s.name, join(prefix, attr))
-            check_not_owned(p, fqn)
+            check_not_owned(p, fqn, s.config.dim0_layout)
             if id(p) not in index_of:
                 index_of[id(p)] = len(params)
                 params.append(p)
@@ -208,7 +210,7 @@ def _place_and_sync(s: UnitState, unit_mods: list[tuple[str, nn.Module]], params
     ``sync_module_states``, broadcasts them and the buffers from the first rank of each group."""
     if params:
         check_uniform(params, names, s.name, mixed_requires_grad=s.config.use_orig_params)
-    if params and params[0].device != s.device:
+    if params and params[0].device != s.device and not params[0].is_meta:
         with torch.no_grad():
             for p in params:
                 p.data = p.data.to(s.device)
@@ -252,10 +254,9 @@ def _build_handle(s: UnitState, params: list[nn.Parameter], local_names: list[st
 
 
 def materialize_meta(
-    unit_modules: list[tuple[str, nn.Module]], device: torch.device, unit_name: str, initialize: bool = True
+    unit_modules: list[tuple[str, nn.Module]], device: torch.device, unit_name: str
 ) -> dict[int, nn.Parameter]:
-    """Materializes the unit's meta-device modules on ``device`` with their reset_parameters() (without
-    ``initialize``: uninitialized, as ``to_empty`` leaves them).
+    """Materializes the unit's meta-device modules on ``device`` with their reset_parameters().
 
     Tied parameters stay tied (one new parameter per old one). A meta parameter
     another unit already owns is left alone, for the caller's tied-parameter
@@ -267,7 +268,7 @@ def materialize_meta(
         states = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         if not any(t.is_meta for t in states):
             continue
-        if initialize and not callable(getattr(m, "reset_parameters", None)):
+        if not callable(getattr(m, "reset_parameters", None)):
             name = join(unit_name, prefix) or type(m).__name__
             raise ValueError(
                 f"FullyShardedDataParallel: module '{name}' ({type(m).__name__}) has tensors on the meta "
@@ -289,10 +290,9 @@ def materialize_meta(
         for attr, b in m._buffers.items():
             if b is not None and b.is_meta:
                 m._buffers[attr] = torch.empty_like(b, device=device)
-    if initialize:
-        with torch.no_grad():
-            for m in todo:
-                m.reset_parameters()
+    with torch.no_grad():
+        for m in todo:
+            m.reset_parameters()
     return old_of
 
 
@@ -340,8 +340,10 @@ def has_meta(unit_modules: list[tuple[str, nn.Module]]) -> bool:
     )
 
 
-def check_not_owned(p: torch.Tensor, fqn: str) -> None:
-    """Raises if another unit already owns ``p``: tied parameters must live in one unit."""
+def check_not_owned(p: torch.Tensor, fqn: str, fully_shard: bool = False) -> None:
+    """Raises if another unit already owns ``p``: tied parameters must live in one unit (``fully_shard``: the
+    front-end asking, whose phrase is torch FSDP2's; raised at the second ``fully_shard`` call, where torch's
+    raises at the first forward)."""
     owner = getattr(p, OWNER_ATTR, None)
     is_dtensor = type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
     if owner is None and is_dtensor:
@@ -350,6 +352,11 @@ def check_not_owned(p: torch.Tensor, fqn: str) -> None:
     if owner is None:
         return
     owner_unit, owner_fqn = owner
+    if fully_shard and not is_dtensor:  # a tie: the same parameter another unit took (torch's type and phrase)
+        raise ValueError(
+            f"fully_shard: Parameter '{fqn}' is shared with a parameter already managed by another FSDP group "
+            f"('{owner_fqn}', sharded by an earlier fully_shard call). For shared/tied parameters, use "
+            f"fully_shard([module_a, module_b]) to place them in the same FSDP group.")
     if is_dtensor:  # fully_shard's own
         raise ValueError(
             f"fully_shard: parameter '{fqn}' is already sharded (as '{owner_fqn}' of the unit made by an earlier "
