@@ -497,6 +497,12 @@ def _refusals(rank: int, world_size: int) -> None:
         fully_shard(fresh(), dp_mesh_dims=object())
     with pytest.raises(ValueError, match="expected an nn.Module or a non-empty list of them but got an empty list"):
         fully_shard([])
+    tied = nn.ModuleDict({"embed": nn.Embedding(6, 4), "head": nn.Linear(4, 6, bias=False)})
+    tied.head.weight = tied.embed.weight
+    fully_shard(tied.embed)
+    with pytest.raises(ValueError, match=r"Parameter 'weight' is shared with a parameter already managed by another "
+                                         r"FSDP group \('weight', .*use fully_shard\(\[module_a, module_b\]\)"):
+        fully_shard(tied.head)  # (torch's type and phrase; torch's raises at the first forward)
     twice = fresh()
     with pytest.raises(ValueError, match="the list of modules names one module twice"):
         fully_shard([twice.ln_f, twice.ln_f])
@@ -539,8 +545,10 @@ def _refusals(rank: int, world_size: int) -> None:
     early = fresh()
     fully_shard(early.blocks[0])
     fully_shard(early)
-    with pytest.raises(RuntimeError, match="inside a sharded model whose root has not run a forward yet"):
-        early.blocks[0].unshard()
+    early.blocks[0].unshard()  # before any forward: the model's root is set up first (torch's own test does this)
+    assert early._unit_state.is_root and not early.blocks[0]._unit_state.is_root
+    assert early.blocks[0].ln1.weight.shape == (16,) and type(early.blocks[0].ln1.weight) is torch.Tensor
+    early.blocks[0].reshard()
     early(torch.zeros(2, SEQ, dtype=torch.long))
     handle = early.blocks[0].unshard(async_op=True)
     handle.wait()
@@ -711,3 +719,87 @@ def test_shards_moved_and_replaced_train_on_as_torch():
     for rank, (moved, never, follows) in enumerate(run_distributed(_shards_moved, 2, timeout=120)):
         assert follows, f"rank {rank}: a DTensor parameter still views the replaced shard"
         assert moved == never, f"rank {rank}: {moved} vs torch FSDP2's never moved {never}"
+
+
+def _meta_init_allocations(rank: int, world_size: int) -> tuple[int, int]:
+    """The largest memory any tensor made on a real device holds while ``fully_shard`` shards a model built on meta,
+    and the largest unit's shard, in bytes (see [Note: A shard from meta parameters] in csrc/flatshard/flat_param.h;
+    a storage with no memory behind it, [Note: Buffers made without memory], holds none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flatshard import fully_shard
+
+    class Largest(TorchDispatchMode):  # (sees the C++ runtime's allocations too: they go through the dispatcher)
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    try:
+                        memory = t.untyped_storage().nbytes() if t.untyped_storage().data_ptr() != 0 else 0
+                    except RuntimeError:  # ("an invalid python storage": a size and no memory)
+                        memory = 0
+                    Largest.nbytes = max(Largest.nbytes, memory)
+            return out
+
+    with torch.device("meta"):
+        model = make_gpt(vocab=VOCAB, seq=SEQ, seed=0)
+    with Largest():
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    shards = [u._unit_state.handle.layout.shard_numel * 4 for u in [model, *model.blocks]]
+    return Largest.nbytes, max(shards)
+
+
+def test_sharding_a_meta_model_never_makes_a_whole_unit():
+    """torchtitan's meta init: no tensor larger than a shard exists on the device while fully_shard runs (torch's
+    FSDP2 allocates the shard at to_empty; flatshard allocates it at fully_shard, uninitialized)."""
+    from _dist import run_distributed
+
+    for rank, (largest, shard) in enumerate(run_distributed(_meta_init_allocations, 2, timeout=120)):
+        assert largest <= shard, f"rank {rank}: a tensor of {largest} bytes while the largest shard has {shard}"
+
+
+class _SkippableHead(nn.Module):
+    """torch's test_double_partial_forward_then_backward's model: a forward that may leave the head out."""
+
+    def __init__(self, dim: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.embed, self.body = nn.Embedding(vocab, dim), nn.Linear(dim, dim, bias=False)
+        self.norm, self.head = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def _untouched_parameters(rank: int, world_size: int) -> dict:
+    """Two forwards that leave the head out, one backward: each parameter's gradient (None stays None), torch's
+    and flatshard's."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from flatshard import fully_shard
+
+    out = {}
+    for impl, shard in (("torch", torch_fully_shard), ("flatshard", fully_shard)):
+        torch.manual_seed(0)
+        model = _SkippableHead()
+        shard([model.norm, model.head])
+        shard(model)
+        tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(rank))
+        (model(tokens, skip_head=True).sum() + model(tokens, skip_head=True).sum()).backward()
+        out[impl] = {n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_a_parameter_a_forward_left_out_keeps_no_gradient_as_torch():
+    from _dist import run_distributed
+
+    for rank, out in enumerate(run_distributed(_untouched_parameters, 2, timeout=120)):
+        theirs, ours = out["torch"], out["flatshard"]
+        assert theirs["head.weight"] is None and ours["head.weight"] is None, f"rank {rank}: {ours['head.weight']}"
+        for name, want in theirs.items():
+            assert (ours[name] is None) == (want is None) and (want is None or torch.equal(ours[name], want)), (
+                f"rank {rank}: {name}")

@@ -146,6 +146,13 @@ def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any
 # Every module fully_shard made a unit, weakly: how unshard() finds a module's root before the first forward.
 _UNITS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
+
+def _outermost_unit_around(module: nn.Module) -> nn.Module:
+    """The fully_shard module around ``module`` (itself included) that no other one contains: the root its runtime
+    is set up from."""
+    around = [m for m in _UNITS if any(c is module for c in m.modules())]
+    return next(m for m in around if not any(o is not m and any(c is m for c in o.modules()) for o in around))
+
 def _reshard_for_state_dict(module: nn.Module, *_args: Any) -> None:
     module.reshard()
 
@@ -203,14 +210,11 @@ class FSDPModule(TorchFSDPModule):
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this module's parameters; flatshard waits at once (with ``async_op``, the handle's
-        ``wait()`` has nothing left to wait for)."""
+        ``wait()`` has nothing left to wait for). Before any forward, the outermost sharded module around this
+        one is set up as the root first (the runtime is the root's; torch's sets up this module's group alone)."""
         s = self._unit_state
         if s.is_root is None:
-            if any(m is not self and any(c is self for c in m.modules()) for m in _UNITS):
-                raise RuntimeError(f"FSDPModule.unshard: {type(self).__name__} is inside a sharded model whose root "
-                                   f"has not run a forward yet; run the root's forward first (flatshard sets up the "
-                                   f"model's runtime there).")
-            _runtime.lazy_init(self)
+            _runtime.lazy_init(_outermost_unit_around(self))
         if s.handle is not None:
             _runtime.set_views(s, s.root.scheduler.wait_for_unshard(s.handle, None, views=True))
         return UnshardHandle() if async_op else None

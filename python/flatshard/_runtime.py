@@ -229,6 +229,9 @@ class _UnshardedViews(torch.autograd.Function):
         views = tuple(views)
         if state.frozen_indices:  # use_orig_params: frozen parameters in a trainable unit get no gradient
             ctx.mark_non_differentiable(*(views[i] for i in state.frozen_indices))
+        # A parameter this use did not touch: FSDP2 leaves its .grad None, FSDP1 gives it zeros (its flat
+        # parameter's gradient covers every parameter), which autograd's materialized zeros are.
+        ctx.set_materialize_grads(not state.config.dim0_layout)
         return views
 
     @staticmethod
