@@ -62,9 +62,10 @@ class UnitConfig:
     # --- fully_shard's (the class leaves the defaults)
     dim0_layout: bool = False  # FSDP2's layout and DTensor parameters (see [Note: DTensor parameters])
     mesh: Any = None  # the DeviceMesh the DTensor parameters are placed on
-    # shard_placement_fn: each parameter's Shard(d) (None: Shard(0); see [Note: Sharding on another dim] in
-    # csrc/flatshard/layout.h), asked at construction
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None
+    # fully_shard's shard_placement_fn resolved by its front-end: (parameters, their names, shard factor) -> each
+    # one's shard dim (see [Note: Sharding on another dim] in csrc/flatshard/layout.h), asked at construction;
+    # None: dim 0 for every parameter
+    shard_dims_of: Callable[[list[nn.Parameter], list[str], int], list[int]] | None = None
     meta_to_empty: bool = False  # a meta-device module's tensors become uninitialized memory (users init later)
     output_dtype: torch.dtype | None = None  # the forward's floating-point outputs cast to it (fully_shard's hook)
     root_reshards_after_forward: bool = False  # as root too (fully_shard's explicit reshard_after_forward=True)

@@ -16,7 +16,6 @@ from torch import nn
 
 from flatshard import _C, _mixed_precision, _orig_params, _stale_optimizer
 from flatshard._common import FLAT_PARAM, OWNER_ATTR, is_unit, join
-from flatshard._fsdp2_config import shard_dims
 from flatshard._stale_optimizer import REPLACED_ATTR
 from flatshard._profiling import collective_range
 
@@ -226,8 +225,9 @@ def _build_handle(s: UnitState, params: list[nn.Parameter], local_names: list[st
     layout."""
     shapes = [list(p.shape) for p in params]
     if s.config.dim0_layout:
-        layout = _C.FlatParamLayout.dim0(shapes, s.config.shard_factor,
-                                         shard_dims(s.config, params, local_names, s.config.shard_factor))
+        dims = (s.config.shard_dims_of(params, local_names, s.config.shard_factor) if s.config.shard_dims_of
+                else [0] * len(params))
+        layout = _C.FlatParamLayout.dim0(shapes, s.config.shard_factor, dims)
     else:
         layout = _C.FlatParamLayout(shapes, s.config.shard_factor)
     dtypes = _mixed_precision.flat_param_dtypes(

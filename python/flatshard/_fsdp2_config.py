@@ -8,6 +8,7 @@ argument (see [Note: fully_shard's coverage] in fully_shard.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -76,22 +77,19 @@ def _check_supported(module: nn.Module, mesh: Any, reshard_after_forward: Any, s
                          f"them.")
 
 
-def shard_dims(config: UnitConfig, params: list[nn.Parameter], names: list[str], world_size: int) -> list[int]:
-    """Each parameter's shard dim from ``shard_placement_fn`` (torch's rules: None is Shard(0), a negative dim
+def shard_dims(fn: Callable, mesh: Any, params: list[nn.Parameter], names: list[str], world_size: int) -> list[int]:
+    """Each parameter's shard dim from ``shard_placement_fn`` ``fn`` (torch's rules: None is Shard(0), a negative dim
     counts from the end; a dim the parameter lacks, a dim d > 0 that does not divide by the shard group's size and
     another mesh are refused with torch's error types)."""
     from torch.distributed.tensor import Shard
 
-    fn = config.shard_placement_fn
-    if fn is None:
-        return [0] * len(params)
     dims = []
     for name, p in zip(names, params):
         placement = fn(p)
         if placement is not None and not isinstance(placement, Shard):
             if type(placement).__name__ == "ShardPlacementResult":
                 mesh_info = getattr(placement, "mesh_info", None)
-                if getattr(mesh_info, "mesh", config.mesh) is not config.mesh:
+                if getattr(mesh_info, "mesh", mesh) is not mesh:
                     raise NotImplementedError(f"fully_shard: shard_placement_fn gives parameter '{name}' a mesh of its "
                                               f"own; flatshard shards every parameter of a unit over the unit's mesh.")
                 placement = placement.placement
@@ -208,7 +206,8 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         ignored_params=frozenset(ignored_params or ()),
         dim0_layout=True,
         mesh=mesh,
-        shard_placement_fn=shard_placement_fn,
+        shard_dims_of=(None if shard_placement_fn is None
+                       else functools.partial(shard_dims, shard_placement_fn, mesh)),
         # A meta-device module's tensors: uninitialized on the device, as to_empty makes them (FSDP2's users
         # initialize after sharding: to_empty, then their own in-place init), not reset_parameters().
         meta_to_empty=True,
