@@ -7,6 +7,10 @@ a process that never imports torch pays nothing, and torch is complete when flat
 on ``sys.meta_path`` until torch is executed: probes such as ``importlib.util.find_spec("torch")`` (transformers,
 datasets and peft make them at import) get a spec of their own and change nothing. When flatshard itself is
 what imports torch, its ``__init__`` installs at its end instead (it reads the same variable).
+
+PYTEST_DONT_REWRITE: pytest marks every module of a distribution that registers a plugin
+(flatshard.testing) for assertion rewriting, and warns about one imported before it started,
+as this one always is; it has no assertions to rewrite.
 """
 
 import os

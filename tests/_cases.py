@@ -24,9 +24,12 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Hashable
 
-from _dist import check_same_outcome, run_distributed
+from flatshard.testing import check_same_outcome, run_distributed
 
-__all__ = ["CaseRun", "run_cases"]
+__all__ = ["CaseRun", "WORLD_SIZES", "run_cases"]
+
+#: World sizes every distributed test of this suite runs at (pytest param list).
+WORLD_SIZES = [1, 2, 4]
 
 
 def run_cases(rank: int, world_size: int, case_fn: Callable, names: list[str], cases: list, args: tuple,

@@ -1,5 +1,5 @@
-"""pytest setup: make the helper modules in tests/ (``_dist``, ``models``) importable,
-and skip the GPU tests where there is no GPU.
+"""pytest setup: make the helper modules in tests/ (``_cases``, ``models``) importable,
+and skip the GPU tests where there is no GPU. The ranks come from flatshard.testing's plugin.
 
 The helpers are imported by name both here and in the rank processes (which get this
 ``sys.path`` from the parent), so the tests directory goes on ``sys.path`` explicitly

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import Block, make_gpt, train_gpt
 
 STEPS, SAVE_AT = 5, 3

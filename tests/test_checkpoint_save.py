@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from _dist import DistributedTestFailure, run_distributed
+from flatshard.testing import DistributedTestFailure, run_distributed
 from test_sharded_checkpoint import _build, _train
 
 KILL_AFTER_BYTES = 4096

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import ATOL, RTOL, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 MAX_NORM = 0.05  # small enough that every step clips

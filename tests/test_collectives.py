@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 
 SHAPES = [[64, 32], [32], [7]]  # 2087 elements: padded to an even split at W=2
 

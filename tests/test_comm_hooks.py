@@ -22,7 +22,7 @@ from torch.distributed.algorithms._comm_hooks import default_hooks
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 STEPS = 4

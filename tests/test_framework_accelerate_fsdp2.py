@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from _frameworks import (accelerate_train, force_accelerate_fsdp, reset_accelerate, set_launcher_environment,
                          tiny_llama, torch_then_flatshard)
 

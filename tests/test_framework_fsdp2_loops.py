@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import make_gpt, train_gpt
 
 STEPS, SAVE_AT = 4, 2

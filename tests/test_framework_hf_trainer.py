@@ -23,7 +23,7 @@ import warnings
 import pytest
 import torch
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from _frameworks import force_accelerate_fsdp, reset_accelerate, set_launcher_environment, tiny_llama
 
 pytest.importorskip("accelerate")

@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from _frameworks import set_launcher_environment
 from models import ATOL, RTOL, Block, gpt_loss, make_batch, make_gpt, train_gpt
 

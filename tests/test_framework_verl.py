@@ -34,7 +34,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from _frameworks import tiny_llama, torch_then_flatshard
 
 RTOL, ATOL = 1e-5, 1e-7

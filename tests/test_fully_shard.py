@@ -335,7 +335,7 @@ def test_a_sharded_model_looks_like_torch_fsdp2s():
     of the same local values), flatshard.checkpoint's full state dict (plain tensors) and DTensor gradients, as
     torch's FSDP2 shows them, at W = 2; the root's parameters after forward kept with reshard_after_forward=None,
     freed with an explicit True, as torch's."""
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_surface, 2, timeout=120)):
         assert out["root_kept"], f"rank {rank}: reshard_after_forward=None resharded the root after its forward"
@@ -377,7 +377,7 @@ def _forward_method(rank: int, world_size: int) -> dict:
 def test_register_fsdp_forward_method_as_torch():
     """torch's own function wraps a flatshard module's method (see [Note: Forward methods] in _fully_shard.py): the
     same values as torch's FSDP2, and training after it is unchanged."""
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_forward_method, 2, timeout=120)):
         (t_scores, t_loss, t_grads), (f_scores, f_loss, f_grads) = out["torch"], out["flatshard"]
@@ -425,7 +425,7 @@ def test_inner_units_on_their_own_and_registered_methods_as_torch():
 
 
 def run_distributed_ranks(fn, world_size):
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     return run_distributed(fn, world_size, timeout=120)
 
@@ -456,7 +456,7 @@ def _reshard_setter(rank: int, world_size: int) -> dict:
 def test_set_reshard_after_forward_as_torch():
     """False keeps every unit's parameters after forward, True frees them, the root's too (as torch's setter); the
     training equals torch FSDP2's doing the same."""
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_reshard_setter, 2, timeout=120)):
         (t_losses, t_params, _), (f_losses, f_params, kept) = out["torch"], out["flatshard"]
@@ -568,7 +568,7 @@ def _refusals(rank: int, world_size: int) -> None:
 
 
 def test_what_is_not_supported_yet_is_refused_by_name():
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     run_distributed(_refusals, 4, timeout=120)
 
@@ -626,7 +626,7 @@ def test_checkpoints_interchange_with_torch_fsdp2(saver, loader, saved_at, loade
     implementation and loaded by the other goes on as the saver's own run does: bit for bit at the same world
     size; resharded to 4 ranks, the global loss (the mean of the ranks' means over equal rows) within the
     parity tolerance of models.py (the reductions add in another order)."""
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     path = str(tmp_path / "ckpt")
     went_on = run_distributed(_save_then_go_on, saved_at, saver, path, timeout=120)
@@ -658,7 +658,7 @@ def _forward_raises_then_trains(rank: int, world_size: int) -> tuple[float, floa
 
 
 def test_a_forward_that_raises_leaves_the_model_usable():
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     for rank, (got, want, grads_equal) in enumerate(run_distributed(_forward_raises_then_trains, 2, timeout=120)):
         assert got == want and grads_equal, f"rank {rank}: loss {got} vs a fresh model's {want}, grads {grads_equal}"
@@ -681,7 +681,7 @@ def _load_with_assign(rank: int, world_size: int) -> tuple[list[float], list[flo
 
 
 def test_load_state_dict_with_assign_reaches_the_shards():
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     for rank, (went_on, resumed) in enumerate(run_distributed(_load_with_assign, 2, timeout=120)):
         assert resumed == went_on, f"rank {rank}"
@@ -714,7 +714,7 @@ def _shards_moved(rank: int, world_size: int) -> tuple[list[float], list[float],
 
 
 def test_shards_moved_and_replaced_train_on_as_torch():
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     for rank, (moved, never, follows) in enumerate(run_distributed(_shards_moved, 2, timeout=120)):
         assert follows, f"rank {rank}: a DTensor parameter still views the replaced shard"
@@ -756,7 +756,7 @@ def _meta_init_allocations(rank: int, world_size: int) -> tuple[int, int]:
 def test_sharding_a_meta_model_never_makes_a_whole_unit():
     """torchtitan's meta init: no tensor larger than a shard exists on the device while fully_shard runs (torch's
     FSDP2 allocates the shard at to_empty; flatshard allocates it at fully_shard, uninitialized)."""
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     for rank, (largest, shard) in enumerate(run_distributed(_meta_init_allocations, 2, timeout=120)):
         assert largest <= shard, f"rank {rank}: a tensor of {largest} bytes while the largest shard has {shard}"
@@ -795,7 +795,7 @@ def _untouched_parameters(rank: int, world_size: int) -> dict:
 
 
 def test_a_parameter_a_forward_left_out_keeps_no_gradient_as_torch():
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_untouched_parameters, 2, timeout=120)):
         theirs, ours = out["torch"], out["flatshard"]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
 
 pytestmark = pytest.mark.gpu

@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 
 pytestmark = pytest.mark.gpu
 

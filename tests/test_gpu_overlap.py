@@ -42,7 +42,7 @@ from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 
 pytestmark = pytest.mark.gpu
 

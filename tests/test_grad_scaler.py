@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 STEPS = 6

@@ -1,4 +1,4 @@
-"""Tests of the multi-process harness itself (tests/_dist.py).
+"""Tests of the multi-process harness itself (flatshard.testing's run_distributed; the plugin's marker: test_testing_plugin.py).
 
 A harness that hangs or hides a failing rank makes every distributed test useless, so
 each failure mode is provoked here on purpose: a rank that raises, one that hangs,
@@ -16,12 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import (
-    WORLD_SIZES,
-    DistributedTestFailure,
-    DistributedTestTimeout,
-    run_distributed,
-)
+from _cases import WORLD_SIZES
+from flatshard.testing import DistributedTestFailure, DistributedTestTimeout, run_distributed
 
 # Rank functions: module level so the ranks can unpickle them by reference.
 

@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from _frameworks import tiny_llama
 from models import fsdp_class, local_slice
 

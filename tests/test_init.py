@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import ATOL, RTOL, Block, gpt_loss, local_slice, make_batch, make_gpt, param_mismatches
 
 STEPS = 5

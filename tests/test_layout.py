@@ -131,7 +131,7 @@ def test_dim0_shard_is_what_torch_fsdp2_keeps_per_rank(world_size):
     """Issue 31's "each rank's local tensor of each parameter equal to torch FSDP2's", at the layout: a GPT
     whose vocabulary (67 rows: 34 + 33 at W = 2, 17 * 3 + 16 at W = 4) and position table (10 rows: 3 * 3 + 1
     at W = 4) do not divide, beside matrices and vectors that do."""
-    from _dist import run_distributed
+    from flatshard.testing import run_distributed
 
     for rank, (theirs, ours) in enumerate(run_distributed(_torch_fsdp2_local_tensors, world_size, timeout=60)):
         assert len(theirs) == len(ours)

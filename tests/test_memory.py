@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed, world_sizes
+from _cases import WORLD_SIZES
+from flatshard.testing import run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 
@@ -72,7 +73,7 @@ def _memory_between_steps(rank: int, world_size: int, mixed: bool) -> dict:
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("world_size", world_sizes())
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_only_shards_alive_between_steps(world_size, mixed):
     results = run_distributed(_memory_between_steps, world_size, mixed)
     assert len({r["held"] for r in results}) == 1

@@ -43,7 +43,7 @@ from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _cases import CaseRun
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import GPT, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 STEPS = 5

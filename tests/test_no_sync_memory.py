@@ -24,7 +24,7 @@ import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 MICRO_BATCHES = 3

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import WORLD_SIZES, run_distributed
+from _cases import WORLD_SIZES
+from flatshard.testing import run_distributed
 from models import (
     ATOL,
     RTOL,

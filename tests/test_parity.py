@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
 
-from _dist import WORLD_SIZES, run_distributed
+from _cases import WORLD_SIZES
+from flatshard.testing import run_distributed
 from models import (
     ATOL,
     IMPLS,

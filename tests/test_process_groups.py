@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 

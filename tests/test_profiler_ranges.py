@@ -24,7 +24,7 @@ from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.profiler import profile
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 COLLECTIVE_PREFIXES = ("c10d::",)

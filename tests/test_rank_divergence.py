@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import MLP, Block, gpt_loss, local_slice, make_batch, make_gpt
 
 DEADLINE = 120.0

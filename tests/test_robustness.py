@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import ATOL, RTOL, Block, TiedLM, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 STEPS = 4

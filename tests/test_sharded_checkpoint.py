@@ -26,7 +26,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import ATOL, RTOL, Block, fsdp_class, make_gpt, train_gpt
 
 STEPS, SAVE_AT = 6, 3

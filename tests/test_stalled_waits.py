@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import abandon_group, run_distributed
+from flatshard.testing import abandon_group, run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 DEADLINE = 120.0  # a hang's bound, not a speed claim (see the docstring)

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import ATOL, IMPLS, RTOL, Block, fsdp_class, gpt_loss, local_slice, make_batch, make_gpt
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import ATOL, RTOL, Block, gpt_loss, local_slice, make_batch, make_gpt
 
 

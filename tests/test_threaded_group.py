@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 
 WORLD = 2
 STEPS = 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 
 
 def _device_id_string(rank, world_size):

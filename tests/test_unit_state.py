@@ -28,7 +28,7 @@ import torch
 from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _dist import run_distributed
+from flatshard.testing import run_distributed
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 

@@ -134,7 +134,7 @@ def _gloo_rank(rank, world_size):
 def main(argv):
     backend, sizes = argv[0], [int(w) for w in argv[1:]]
     if backend == "gloo":
-        from _dist import run_distributed
+        from flatshard.testing import run_distributed
 
         for world_size in sizes:
             for cases in run_distributed(_gloo_rank, world_size, timeout=600):

@@ -1,16 +1,28 @@
-"""Multi-process test harness: run a function on W ranks with a gloo group.
+"""flatshard.testing's harness: run a function on W ranks, each a process with a process group.
 
-``run_distributed(fn, world_size, *args, timeout=..., **kwargs)`` starts ``world_size``
-processes, initializes a gloo process group in each, calls
-``fn(rank, world_size, *args, **kwargs)`` and returns the per-rank return values.
+``run_distributed(fn, world_size, *args, backend=None, timeout=..., **kwargs)`` starts
+``world_size`` processes, initializes a process group in each (NCCL with a GPU per rank where
+there are enough GPUs, else gloo; see [Note: Backends and devices]), calls
+``fn(rank, world_size, *args, **kwargs)`` and returns the per-rank return values. It knows
+nothing of flatshard: the ranks run whatever FSDP the function uses, torch's or flatshard's.
+
+[Note: Backends and devices]
+``backend=None`` picks NCCL when torch sees CUDA and at least ``world_size`` GPUs, each rank
+then on GPU ``rank`` (``torch.cuda.set_device``), and gloo on the CPU otherwise; a test asks for
+one with ``backend="gloo"`` or ``"nccl"``, and one that asks for NCCL on a machine with fewer
+GPUs than ranks is skipped, with the reason. The group's collective timeout is below the run's
+deadline (two thirds of it, at most 60 s, unless given), so that a rank stuck in a collective
+raises the backend's error, with its traceback, before the deadline kills it.
 
 [Note: Never hang]
 A test that hangs is worse than one that fails. The parent waits on every rank's
 result pipe and process sentinel at once, with the run's deadline:
 - a rank that raises sends its formatted traceback, then exits;
 - a rank that dies (non-zero exit, signal, ``os._exit``) is seen through its sentinel;
-- on the first failure every other rank is killed (SIGKILL) at once and
-  ``DistributedTestFailure`` is raised with the failing rank's traceback and log;
+- on the first failure the ranks still running are asked for their Python stacks
+  (faulthandler on SIGUSR1: where a peer hangs is usually why), then killed (SIGKILL),
+  and ``DistributedTestFailure`` is raised with the failing rank's traceback and log
+  and the others' stacks;
 - past the deadline, every unfinished rank is asked to dump its Python stacks
   (faulthandler on SIGUSR1), then all are killed and ``DistributedTestTimeout`` names
   the unfinished ranks and shows their stacks.
@@ -21,8 +33,8 @@ it (see _die_with_fork_server), so nothing is left behind.
 [Note: Fast start]
 Importing torch costs seconds; a fresh interpreter per rank per test would pay it
 W times per test. Children are forked from a ``forkserver`` process that imported
-torch, torch.distributed, torch.distributed.fsdp, torch._dynamo (and flatshard, when
-importable) but never ran a torch op, so no thread pool or OpenMP state is inherited
+torch, torch.distributed, torch.distributed.fsdp, torch._dynamo, pytest (and flatshard, when
+importable; and what ``preload`` or the ``rank_preload`` ini option adds) but never ran a torch op, so no thread pool or OpenMP state is inherited
 (the reason not to ``fork`` the pytest process itself, which does run ops). The fork
 server starts once per test session (~2 s); a call then costs a fork per rank, the
 import of the test module, and the gloo rendezvous: ~0.03 / 0.06 / 0.1 s at world
@@ -71,12 +83,11 @@ from typing import Any, Callable
 
 __all__ = [
     "DistributedTestFailure",
-    "abandon_group",
     "DistributedTestTimeout",
-    "WORLD_SIZES",
+    "abandon_group",
     "check_same_outcome",
+    "preload",
     "run_distributed",
-    "world_sizes",
 ]
 
 _GROUP_ABANDONED = False
@@ -109,13 +120,10 @@ def check_same_outcome(what: str, error: str | None, group) -> None:
         )
 
 
-#: World sizes every distributed test runs at (pytest param list).
-WORLD_SIZES = [1, 2, 4]
-
 #: Modules imported by the fork server before it forks any rank (see [Note: Fast start]).
 #: torch._dynamo is imported lazily by the first optimizer a process builds (~0.5 s);
 #: pytest by every test module a rank unpickles its function from. None starts a thread.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "pytest", "models"]
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "pytest"]
 
 #: How long a killed child may take to be reaped before we give up waiting.
 _REAP_TIMEOUT_S = 10.0
@@ -125,9 +133,22 @@ _STACK_DUMP_WAIT_S = 1.0
 _LOG_TAIL_CHARS = 8000
 
 
-def world_sizes() -> list[int]:
-    """The world sizes distributed tests run at: ``[1, 2, 4]``."""
-    return list(WORLD_SIZES)
+def preload(*modules: str) -> None:
+    """Modules the fork server imports before it forks the first rank (a test suite's helpers that import heavy
+    libraries, say), beside torch's. Call it before the first run (a conftest, or the ``rank_preload`` ini option);
+    later calls raise, since the server has started."""
+    with _ctx_lock:
+        if _ctx is not None:
+            raise RuntimeError(f"flatshard.testing.preload{modules}: the fork server has started already (a "
+                               f"distributed test ran); preload from a conftest.py or the rank_preload ini option")
+        _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
+def _default_backend(world_size: int) -> str:
+    """See [Note: Backends and devices]."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
 class DistributedTestFailure(AssertionError):
@@ -203,6 +224,7 @@ def _child_main(
     rank: int,
     world_size: int,
     init_method: str,
+    backend: str,
     pg_timeout_s: float,
     conn,
     log_path: str,
@@ -239,8 +261,10 @@ def _child_main(
             _import_with_assert_rewriting(*rewrite)
         fn, args, kwargs = pickle.loads(call)
         torch.set_num_threads(1)
+        if backend == "nccl":  # one GPU per rank (see [Note: Backends and devices])
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world_size,
             init_method=init_method,
@@ -250,7 +274,11 @@ def _child_main(
         if dist.is_initialized() and not _GROUP_ABANDONED:
             # Without it a fast rank could exit while a peer is still connecting to it
             # (init has no barrier), failing the peer with "Connection closed by peer".
-            dist.barrier()
+            try:
+                dist.barrier()
+            except Exception as e:  # noqa: BLE001 - said plainly: the peer's stacks follow in the report
+                raise RuntimeError(f"rank {rank} finished, but a peer did not reach the end within the group's timeout "
+                                   f"({pg_timeout_s:g} s): see the stacks of the ranks still running below") from e
             dist.destroy_process_group()
         try:
             _send(conn, "ok", result)
@@ -352,20 +380,23 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
+    backend: str | None = None,
     timeout: float = 90.0,
-    pg_timeout: float = 60.0,
+    pg_timeout: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks.
 
-    Each rank is a separate process with ``torch.set_num_threads(1)`` and a gloo
-    default process group (FileStore rendezvous, collective timeout ``pg_timeout``
-    seconds); after ``fn`` returns, a barrier, then the group is destroyed (unless
-    ``fn`` destroyed it).
+    Each rank is a separate process with ``torch.set_num_threads(1)`` and a default
+    process group of ``backend`` (None: NCCL with a GPU per rank where there are enough
+    GPUs, else gloo; see [Note: Backends and devices]; FileStore rendezvous, collective
+    timeout ``pg_timeout`` seconds, by default two thirds of ``timeout`` and at most 60);
+    after ``fn`` returns, a barrier, then the group is destroyed (unless ``fn`` destroyed
+    it).
 
     The defaults fail a hung run well within two minutes: a rank stuck in a
-    collective raises gloo's timeout after ``pg_timeout`` seconds (with its traceback);
-    one stuck anywhere else is killed at ``timeout``.
+    collective raises the backend's timeout after ``pg_timeout`` seconds (with its
+    traceback); one stuck anywhere else is killed at ``timeout``.
 
     ``fn`` must be a module-level function (it is pickled by reference); ``args``,
     ``kwargs`` and the return value must be picklable. Blocks until every rank
@@ -376,12 +407,36 @@ def run_distributed(
     raised or died, ``DistributedTestTimeout`` naming the unfinished ranks (and their
     stacks) if the run exceeded ``timeout``. See [Note: Never hang].
     """
+    __tracebackhide__ = True
+    return _run(fn, world_size, args, kwargs, backend=backend, timeout=timeout, pg_timeout=pg_timeout)
+
+
+def _run(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str | None, timeout: float,
+         pg_timeout: float | None, rewrite_from: Callable[..., Any] | None = None) -> list[Any]:
+    """``run_distributed``; ``rewrite_from``: the function whose module the ranks import with pytest's assertion
+    rewriting, and whose name the errors give (default ``fn``; the plugin's marker calls a test function through a
+    wrapper)."""
+    __tracebackhide__ = True  # (pytest shows the test's failure, not this function's lines)
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1 but got {world_size}")
     if timeout <= 0:
         raise ValueError(f"timeout: expected > 0 seconds but got {timeout}")
+    if backend is None:
+        backend = _default_backend(world_size)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected None (automatic), 'gloo' or 'nccl' but got {backend!r}")
+    if backend == "nccl":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world_size:
+            import pytest
+
+            pytest.skip(f"needs {world_size} GPUs for NCCL (one per rank); this machine has {gpus}")
+    if pg_timeout is None:
+        pg_timeout = min(60.0, timeout * 2 / 3)
     ctx = _get_context()
-    fn_name = getattr(fn, "__qualname__", repr(fn))
+    fn_name = getattr(rewrite_from or fn, "__qualname__", repr(fn))
     # Standard pickle (by value for tensors; see _send), once for all ranks.
     try:
         call = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
@@ -390,7 +445,7 @@ def run_distributed(
             f"run_distributed: expected a module-level function and picklable arguments, "
             f"but pickling {fn_name} and its arguments failed: {e}"
         ) from e
-    rewrite = _rewritten_module_of(fn)
+    rewrite = _rewritten_module_of(rewrite_from or fn)
     tmpdir = tempfile.mkdtemp(prefix="flatshard-dist-")
     init_method = f"file://{os.path.join(tmpdir, 'store')}"
     log_paths = [os.path.join(tmpdir, f"rank{r}.log") for r in range(world_size)]
@@ -402,7 +457,7 @@ def run_distributed(
             proc = ctx.Process(
                 target=_child_main,
                 name=f"{fn_name}-rank{rank}",
-                args=(rank, world_size, init_method, pg_timeout, writer, log_paths[rank], rewrite, call),
+                args=(rank, world_size, init_method, backend, pg_timeout, writer, log_paths[rank], rewrite, call),
                 daemon=True,
             )
             proc.start()
@@ -412,19 +467,14 @@ def run_distributed(
         deadline = time.monotonic() + timeout
         results, failures = _collect(procs, conns, deadline)
 
+        pending = [r for r in range(world_size) if r not in results and r not in failures]
         if failures:
+            running = _dump_stacks(procs, pending)  # where the others were (a peer that hangs, most often)
             _kill_all(procs)
             _echo_logs(log_paths)
-            raise DistributedTestFailure(_failure_message(fn_name, world_size, failures, log_paths))
-        pending = [r for r in range(world_size) if r not in results]
+            raise DistributedTestFailure(_failure_message(fn_name, world_size, failures, log_paths, running))
         if pending:
-            for r in pending:  # ask for Python stacks; see [Note: Never hang]
-                if procs[r].is_alive() and procs[r].pid is not None:
-                    try:
-                        os.kill(procs[r].pid, signal.SIGUSR1)
-                    except ProcessLookupError:
-                        pass
-            time.sleep(_STACK_DUMP_WAIT_S)
+            _dump_stacks(procs, pending)
             _kill_all(procs)
             _echo_logs(log_paths)
             raise DistributedTestTimeout(_timeout_message(fn_name, world_size, timeout, pending, log_paths))
@@ -519,7 +569,23 @@ def _echo_logs(log_paths) -> None:
     sys.stdout.flush()
 
 
-def _failure_message(fn_name, world_size, failures, log_paths) -> str:
+def _dump_stacks(procs, ranks) -> list[int]:
+    """Asks ``ranks`` for their Python stacks (faulthandler on SIGUSR1, into their logs; see [Note: Never hang]) and
+    gives them a moment to write them; the ranks that were still running."""
+    running = []
+    for r in ranks:
+        if procs[r].is_alive() and procs[r].pid is not None:
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+                running.append(r)
+            except ProcessLookupError:
+                pass
+    if running:
+        time.sleep(_STACK_DUMP_WAIT_S)
+    return running
+
+
+def _failure_message(fn_name, world_size, failures, log_paths, running=()) -> str:
     # Earliest failure first: the others are usually its echo (a peer's connection
     # closing under a collective).
     ranks = sorted(failures, key=lambda r: (failures[r][0], r))
@@ -533,6 +599,9 @@ def _failure_message(fn_name, world_size, failures, log_paths) -> str:
         log = _read_log(log_paths[r]).strip()
         if log and text not in log:
             parts.append(f"\n----- rank {r} output -----\n{_tail(log)}")
+    for r in running:
+        parts.append(f"\n===== rank {r} (still running; its output, with its Python stacks at the failure) =====\n"
+                     f"{_tail(_read_log(log_paths[r]).strip()) or '(no output)'}")
     return "\n".join(parts)
 
 
