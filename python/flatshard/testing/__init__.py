@@ -6,7 +6,7 @@ A pytest plugin (registered on install, or ``-p flatshard.testing.plugin``): a t
 runs a module-level function on the ranks and returns what each returned (see [Note: Never hang]
 and [Note: Backends and devices] in _harness.py); ``compare_with_single_process`` checks a sharded
 run against one process on the same global batch (see [Note: Comparing with a single process] in
-_compare.py). Nothing here imports torch until a test runs.
+_compare.py). The plugin module imports flatshard's package (and so torch) when pytest starts.
 """
 
 from flatshard.testing._compare import Comparison, compare_with_single_process
@@ -17,6 +17,7 @@ from flatshard.testing._harness import (
     check_same_outcome,
     preload,
     run_distributed,
+    set_default_backend,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "compare_with_single_process",
     "preload",
     "run_distributed",
+    "set_default_backend",
 ]

@@ -88,6 +88,7 @@ __all__ = [
     "check_same_outcome",
     "preload",
     "run_distributed",
+    "set_default_backend",
 ]
 
 _GROUP_ABANDONED = False
@@ -144,10 +145,24 @@ def preload(*modules: str) -> None:
         _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
+_configured_backend: str | None = None  # the session's default (the plugin's --rank-backend / rank_backend), or auto
+
+
+def set_default_backend(backend: str | None) -> None:
+    """The backend ``run_distributed`` and the marker use when a test names none: "gloo", "nccl", or None (auto: see
+    [Note: Backends and devices]). The plugin sets it from ``--rank-backend`` or the ``rank_backend`` ini option."""
+    global _configured_backend
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"flatshard.testing: backend: expected 'auto', 'gloo' or 'nccl' but got {backend!r}")
+    _configured_backend = backend
+
+
 def _default_backend(world_size: int) -> str:
     """See [Note: Backends and devices]."""
     import torch
 
+    if _configured_backend is not None:
+        return _configured_backend
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 

@@ -13,7 +13,7 @@ The function must be defined at module level (ranks import it by name). Its retu
 ignored, as pytest ignores a test's; ``run_distributed`` called inside a test returns each rank's.
 
 Options (command line, or ``[tool.pytest.ini_options]``): ``--rank-backend`` / ``rank_backend``
-(``auto``, ``gloo``, ``nccl``), ``--rank-timeout`` / ``rank_timeout`` (seconds a ranked test may
+(``auto``, ``gloo``, ``nccl``: what ``run_distributed`` and the marker use where a test names none), ``--rank-timeout`` / ``rank_timeout`` (seconds a ranked test may
 run, 120 by default; the marker's ``timeout=`` wins), ``rank_preload`` (modules the fork server
 imports first, see [Note: Fast start]).
 """
@@ -45,11 +45,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "world_size(*sizes, backend=None, timeout=None): run the test on that many ranks, one process "
                    "each, parametrized over the sizes (fixtures rank and world_size; see flatshard.testing)")
+    from flatshard.testing._harness import preload, set_default_backend
+
     modules = config.getini("rank_preload")
     if modules:
-        from flatshard.testing._harness import preload
-
         preload(*modules)
+    chosen = config.getoption("--rank-backend") or config.getini("rank_backend")
+    set_default_backend(None if chosen in (None, "", "auto") else chosen)
 
 
 @pytest.fixture
@@ -72,9 +74,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("world_size", sizes, ids=[f"W{s}" for s in sizes])
 
 
-def _backend(item: pytest.Item, marker: pytest.Mark) -> str | None:
-    chosen = marker.kwargs.get("backend") or item.config.getoption("--rank-backend") or item.config.getini(
-        "rank_backend")
+def _backend(marker: pytest.Mark) -> str | None:
+    """The marker's backend, else the session's (see pytest_configure)."""
+    chosen = marker.kwargs.get("backend")
     return None if chosen in (None, "", "auto") else chosen
 
 
@@ -104,6 +106,6 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     world_size = fixtures.pop("world_size")
     fixtures.pop("rank")
-    _run(_call_test, world_size, (test, fixtures), {}, backend=_backend(pyfuncitem, marker),
+    _run(_call_test, world_size, (test, fixtures), {}, backend=_backend(marker),
          timeout=_timeout(pyfuncitem, marker), pg_timeout=None, rewrite_from=test)
     return True
