@@ -4,22 +4,29 @@
 Model (W ranks; m the largest power of two <= W; see [Note: The guard's exchange in log W rounds] in
 python/flatshard/_rank_guard.py and [Note: A quiet heartbeat] in _stall_watch.py):
 - connections per rank beyond its process groups': one TCP link per round, log2(m) (+1 when W is not a power of two:
-  the extra pair), and one cloned store client for the heartbeat's wait: 7 / 11 / 14 at W = 64 / 1024 / 8192;
+  the extra pair): 6 / 10 / 13 at W = 64 / 1024 / 8192. The heartbeat waits on a UDP socket (no connection; see
+  [Note: Waking a heartbeat without a connection] in python/flatshard/_wakeup.py). At W not a power of two no
+  scheme does with floor(log2 W): at W = 3 that is one connection per rank, and three ranks joined by at most one
+  connection each are not all connected;
 - store operations at startup, per rank: per link about 6 (the listener's secret and address, the connector's reads,
-  both ends' "ready") plus the polls of a partner not yet there; the stall watch's first record and beat (2). So
-  about 6 log2(W) + 2 per rank: 38 / 62 / 80, and W times that on the store's server (2.4 k / 63 k / 655 k), once;
-- while healthy: no store operation at all (one pending wait per rank, renewed every 5 minutes);
+  both ends' "ready") plus the polls of a partner not yet there; the stall watch's first record, beat and wake-up
+  address (3). So about 6 log2(W) + 3 per rank: 39 / 63 / 81, and W times that on the store's server (2.5 k / 65 k /
+  664 k), once;
+- while healthy: no store operation at all, nothing sent or received by the heartbeat;
 - per check (two a step: forward, backward): log2(m) (+2) rounds, each a 128-byte swap with one partner: 6 / 10 / 13
   round trips, 0.8 / 1.3 / 1.7 KB sent per rank;
 - on a divergence only: the same rounds again with the distinct descriptions (a few KB); on a stall: the stalled rank
-  sets W - 1 alarm keys once, then every rank beats once a second while it lasts.
+  reads the wake-up addresses of the ranks it looks at and sets their alarm keys once (log2 W of them; a roll call
+  after a peer died: W - 1), sends each a datagram at every look, then every woken rank beats once a second while it
+  lasts.
 Before issue 33 the guard also made an eager gloo group over all ranks (W - 1 connections per rank: 8191 at W = 8192)
 and every rank wrote to the store twice a second while healthy (16 k operations a second at W = 8192).
 
 Measured here: ``python benchmarks/guard_scale.py --world-size 16`` starts W processes on this machine (gloo, a
 FileStore counting its operations), each wraps a tiny model with flatshard's class, and reports, with the guard off
 and on: the time from ``init_process_group`` to the end of the first step (the slowest rank's), the guard's links per
-rank, and the store operations of steps 3 to 8 (what a healthy job does).
+rank, each rank's established TCP connections (the difference between on and off is the guard's), the store clients
+cloned, and the store operations of steps 3 to 8 (what a healthy job does).
 """
 
 from __future__ import annotations
@@ -42,12 +49,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _counting_store(path: str, world_size: int):
     class CountingStore(dist.Store):
-        """A FileStore counting the operations made on it (the heartbeat's cloned client is its own, uncounted)."""
+        """A FileStore counting the operations made on it, and the clients cloned from it."""
 
         def __init__(self) -> None:
             super().__init__()
             self.inner = dist.FileStore(path, world_size)
             self.operations = 0
+            self.clones = 0
 
         def _count(self, name, *args):
             self.operations += 1
@@ -87,9 +95,28 @@ def _counting_store(path: str, world_size: int):
             return self.inner.set_timeout(timeout)
 
         def clone(self):
+            self.clones += 1
             return self.inner.clone()
 
     return CountingStore()
+
+
+def _tcp_connections() -> int:
+    """This process's established TCP connections (its sockets' inodes in the kernel's tables)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    established = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            established += sum(1 for line in f if line.split()[3] == "01" and line.split()[9] in inodes)
+    return established
 
 
 def _rank(rank: int, world_size: int, path: str, guard: str, out: dict) -> None:
@@ -127,6 +154,7 @@ def _rank(rank: int, world_size: int, path: str, guard: str, out: dict) -> None:
     healthy = store.operations - before
     guard_state = model._unit_state.root.guard
     out[rank] = {"first_step_s": first, "links": len(guard_state._rounds) if guard_state else 0,
+                 "tcp_connections": _tcp_connections(), "store_clones": store.clones,
                  "healthy_store_ops": healthy, "step_ms": statistics.median(steps) * 1e3}
     dist.barrier()
     dist.destroy_process_group()
@@ -141,6 +169,8 @@ def _job(world_size: int, guard: str) -> dict:
     return {"guard": guard, "world_size": world_size,
             "first_step_s_max": max(r["first_step_s"] for r in ranks),
             "links_per_rank_max": max(r["links"] for r in ranks),
+            "tcp_connections_per_rank_max": max(r["tcp_connections"] for r in ranks),
+            "store_clones_total": sum(r["store_clones"] for r in ranks),
             "healthy_store_ops_total": sum(r["healthy_store_ops"] for r in ranks),
             "step_ms_median": statistics.median(r["step_ms"] for r in ranks)}
 

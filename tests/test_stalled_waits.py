@@ -12,6 +12,7 @@ waits for that event, read from the stall watch's own records in the store, neve
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -298,13 +299,14 @@ def _counting_store_class():
     import torch.distributed as dist
 
     class CountingStore(dist.Store):
-        """The job's store (a FileStore), counting the operations made on it (not those of the heartbeat's own
-        client, which waits on one key: see [Note: A quiet heartbeat])."""
+        """The job's store (a FileStore), counting the operations made on it and the clients cloned from it (the
+        heartbeat's fallback: see [Note: A quiet heartbeat])."""
 
         def __init__(self, path: str, world_size: int) -> None:
             super().__init__()
             self.inner = dist.FileStore(path, world_size)
             self.operations = 0
+            self.clones = 0
 
         def _count(self, name, *args):
             self.operations += 1
@@ -343,19 +345,40 @@ def _counting_store_class():
         def set_timeout(self, timeout):
             return self.inner.set_timeout(timeout)
 
-        def clone(self):  # (the heartbeat's own client: a FileStore on the same file, uncounted)
+        def clone(self):  # (a client of its own: a FileStore on the same file, its operations uncounted)
+            self.clones += 1
             return self.inner.clone()
 
     return CountingStore
 
 
-def _healthy_steps_store_operations(rank, world_size, path):
+def _tcp_connections() -> int:
+    """This process's established TCP connections (its sockets' inodes in the kernel's tables)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    established = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            established += sum(1 for line in f if line.split()[3] == "01" and line.split()[9] in inodes)
+    return established
+
+
+def _healthy_steps_store_operations(rank, world_size, path, guard):
     """The job's process group made anew over a store that counts its operations: a few steps (the guard and its
-    links set up, the stall watch attached), then more steps, whose store operations are counted."""
+    links set up, the stall watch attached), then more steps, whose store operations are counted; with the guard
+    on or off (``guard``): (store operations, this rank's TCP connections after them, store clients cloned)."""
     import datetime
 
     import torch.distributed as dist
 
+    os.environ["FLATSHARD_RANK_GUARD"] = guard
     dist.destroy_process_group()
     store = _counting_store_class()(path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -371,17 +394,24 @@ def _healthy_steps_store_operations(rank, world_size, path):
     time.sleep(2.5)  # (a second heartbeat, were there one: not a timing assertion, what happens in it is counted)
     from flatshard import _stall_watch
 
-    assert _stall_watch._watch.waits_quietly  # (the heartbeat's own client, not a slow poll of the job's store)
-    return store.operations - before
+    assert guard == "0" or _stall_watch._watch.waits_quietly  # (its UDP wake-up, not a slow poll of the job's store)
+    return store.operations - before, _tcp_connections(), store.clones
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_a_healthy_job_makes_no_store_operations(world_size, tmp_path):
+def test_a_healthy_job_makes_no_store_operations_and_log_w_connections(world_size, tmp_path):
     """[Note: A quiet heartbeat]: after the first steps, steps and idle seconds of a healthy job make no operation
-    on the job's store (the heartbeats wait on their alarm keys, each through one pending wait of its own)."""
-    counts = run_distributed(_healthy_steps_store_operations, world_size, str(tmp_path / "store"),
-                             timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
-    assert counts == [0] * world_size, counts
+    on the job's store, and the guard holds log2(W) connections per rank beyond the process groups' (its links; the
+    heartbeats wait on UDP sockets: [Note: Waking a heartbeat without a connection]), counted against the same job
+    with the guard off."""
+    on = run_distributed(_healthy_steps_store_operations, world_size, str(tmp_path / "on"), "1",
+                         timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    off = run_distributed(_healthy_steps_store_operations, world_size, str(tmp_path / "off"), "0",
+                          timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
+    assert [ops for ops, _, _ in on] == [0] * world_size, on
+    assert [clones for _, _, clones in on] == [0] * world_size, on  # (no second store client)
+    extra = [conns_on - conns_off for (_, conns_on, _), (_, conns_off, _) in zip(on, off)]
+    assert max(extra) <= math.log2(world_size) and min(extra) >= 1, (extra, on, off)
 
 
 def _sequence_numbers(rank, world_size):
@@ -421,3 +451,31 @@ def test_a_look_reads_its_guard_partners_only(world_size):
                 seen.add(p)
                 todo.append(p)
     assert seen == set(ranks)
+
+
+def test_a_heartbeat_wakes_only_to_its_token():
+    """[Note: Waking a heartbeat without a connection]: a datagram without the rank's token (anything that found the
+    port) leaves the heartbeat waiting; its token wakes it; the watch's stop ends the wait."""
+    import socket
+    import threading
+
+    from flatshard._wakeup import Wakeup, wake
+
+    wakeup, stop, woke = Wakeup("127.0.0.1"), threading.Event(), []
+    waiter = threading.Thread(target=lambda: woke.append(wakeup.wait(stop)))
+    waiter.start()
+    host, port, token = wakeup.address.rsplit(":", 2)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for garbage in (b"flatshard-guard-link\n", b"\0" * 64, token[:-1].encode()):
+            sock.sendto(garbage, (host, int(port)))
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and not woke, "woken by a datagram without the token"
+    wake(wakeup.address)
+    waiter.join(timeout=30)
+    assert woke == [True]
+    stopped = threading.Thread(target=lambda: woke.append(wakeup.wait(stop)))
+    stopped.start()
+    stop.set()
+    stopped.join(timeout=30)
+    assert woke == [True, False]
+    wakeup.close()

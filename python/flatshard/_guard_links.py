@@ -69,7 +69,7 @@ def _interface_address(name: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
-def _my_host() -> str:
+def gloo_host() -> str:
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
     if ifname:
         return _interface_address(ifname)
@@ -197,7 +197,7 @@ def _first_of(store: Any, keys: list[str], deadline: float) -> str | None:
 
 
 def _accept(store: Any, deadline: float) -> socket.socket | None:
-    host = _my_host()
+    host = gloo_host()
     secret = secrets.token_bytes(_SECRET_BYTES)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:

@@ -65,6 +65,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch.distributed as dist
 
 from flatshard import _C
+from flatshard._guard_links import gloo_host
+from flatshard._wakeup import Wakeup, wake
 
 if TYPE_CHECKING:
     from flatshard._rank_guard import RankGuard
@@ -112,8 +114,9 @@ class _Watch:
         self.suspect: tuple[Any, ...] | None = None  # a verdict seen at the last look, not yet confirmed
         self.told = False  # the heartbeat printed the group's poisoning
         self.heart: threading.Thread | None = None
-        self.alarmed = False  # this process raised its peers' alarms (see [Note: A quiet heartbeat])
-        self.waits_quietly = False  # the heartbeat waits through a client of its own (see [Note: A quiet heartbeat])
+        self.alarmed: dict[int, str | None] = {}  # the peers this process alarmed: their wake-up addresses
+        self.wakeup: Any = None  # this rank's _wakeup.Wakeup, or None (see [Note: A quiet heartbeat])
+        self.waits_quietly = False  # the heartbeat waits without store traffic (see [Note: A quiet heartbeat])
         self.stop = threading.Event()
 
     @property
@@ -137,6 +140,11 @@ def attach(guard: RankGuard) -> None:
         _watch.rank = dist.get_rank()
         _C.set_stall_hook(_on_stall, FIRST_SECONDS, EVERY_SECONDS)
         _watch.store.set(f"beat/{_watch.rank}", _beat())
+        try:  # see [Note: Waking a heartbeat without a connection] in _wakeup.py
+            _watch.wakeup = Wakeup(gloo_host())
+            _watch.store.set(f"wake/{_watch.rank}", _watch.wakeup.address)
+        except OSError:
+            _watch.wakeup = None
         _watch.heart = threading.Thread(target=_heartbeat, name="flatshard-heartbeat", daemon=True)
         _watch.heart.start()
         atexit.register(_stop_heartbeat)
@@ -264,16 +272,18 @@ def _beat() -> str:
 
 
 # [Note: A quiet heartbeat]
-# While training is healthy the watch makes no store operation at all: each rank's heartbeat
-# thread blocks on one key of its own, ``alarm/<rank>``, through a store client of its own
-# (``Store.clone()``: a second connection to the job's TCPStore, the same file for a FileStore), so
-# that the wait holds neither the main thread's client nor any server time but one pending
-# request (renewed every ALARM_WAIT_SECONDS). A rank whose wait stalls past FIRST_SECONDS sets the alarm key of every
-# peer of its model once (``_raise_alarm``; O(W) operations, on that path only); from then on the
-# heartbeats publish and look every HEARTBEAT_SECONDS as the verdicts need. A store that has no
-# second client (another Store class) keeps the heartbeat beating every ALARM_POLL_SECONDS until
-# an alarm (``_watch.waits_quietly`` says which). At exit a rank sets its own alarm key, so that its thread is not inside the store's
-# C++ wait when the interpreter ends.
+# While training is healthy the watch makes no store operation at all and opens no connection:
+# each rank's heartbeat thread blocks on a UDP socket of its own until a peer wakes it (see
+# [Note: Waking a heartbeat without a connection] in _wakeup.py). A rank whose wait stalls past
+# FIRST_SECONDS wakes the peers it looks at (``_raise_alarm``: their addresses read once, a
+# datagram each at every look, and their ``alarm/<rank>`` keys set once; O(W) operations, on that
+# path only); from then on the heartbeats publish and look every HEARTBEAT_SECONDS as the verdicts
+# need. Where no UDP socket can be bound, the heartbeat blocks on its ``alarm/<rank>`` key through
+# a store client of its own (``Store.clone()``: a second connection to the job's TCPStore, the same
+# file for a FileStore, renewed every ALARM_WAIT_SECONDS), and a store that has no second client
+# keeps it polling every ALARM_POLL_SECONDS (``_watch.waits_quietly`` says whether it waits without
+# store traffic). At exit a rank wakes its own heartbeat, so that the thread is not inside a wait
+# when the interpreter ends.
 ALARM_WAIT_SECONDS = 300.0
 ALARM_POLL_SECONDS = 10.0
 
@@ -291,6 +301,9 @@ def _second_client() -> Any:
 def _wait_for_alarm() -> bool:
     """Blocks until this rank's alarm is raised (True), or the watch stops (False). No store operation but the one
     pending wait (see [Note: A quiet heartbeat])."""
+    if _watch.wakeup is not None:  # (the usual way: see [Note: Waking a heartbeat without a connection])
+        _watch.waits_quietly = True
+        return _watch.wakeup.wait(_watch.stop)
     key = f"alarm/{_watch.rank}"
     client = _second_client()
     _watch.waits_quietly = client is not None
@@ -314,12 +327,16 @@ def _wait_for_alarm() -> bool:
 
 
 def _raise_alarm(ranks: list[int]) -> None:
-    """Wakes the heartbeats of ``ranks`` (once per process): a wait of this rank stalled."""
-    if _watch.alarmed:
-        return
-    _watch.alarmed = True
+    """Wakes the heartbeats of ``ranks``: a wait of this rank stalled. Their keys are set and their addresses read
+    once; a datagram goes to each at every call (one may be lost: see [Note: A quiet heartbeat])."""
     for rank in ranks:
-        _watch.store.set(f"alarm/{rank}", "1")
+        if rank not in _watch.alarmed:
+            _watch.store.set(f"alarm/{rank}", "1")
+            key = f"wake/{rank}"
+            _watch.alarmed[rank] = _watch.store.get(key).decode() if _watch.store.check([key]) else None
+    for rank in ranks:
+        if _watch.alarmed[rank] is not None:
+            wake(_watch.alarmed[rank])
 
 
 def _heartbeat() -> None:
@@ -351,13 +368,17 @@ def _stop_heartbeat() -> None:
     be ended by a forced unwind through it, which aborts the process (std::terminate). Its own alarm wakes it from
     its wait (see [Note: A quiet heartbeat])."""
     _watch.stop.set()
-    if _watch.store is not None and _watch.heart is not None and _watch.heart.is_alive():
+    if _watch.wakeup is not None and _watch.heart is not None and _watch.heart.is_alive():
+        wake(_watch.wakeup.address)
+    elif _watch.store is not None and _watch.heart is not None and _watch.heart.is_alive():
         try:
             _watch.store.set(f"alarm/{_watch.rank}", "1")
         except Exception:  # noqa: BLE001 (the store is gone: so is the thread's wait)
             pass
     if _watch.heart is not None:
         _watch.heart.join(timeout=2 * HEARTBEAT_SECONDS)
+    if _watch.wakeup is not None:
+        _watch.wakeup.close()
 
 
 def _publish(position: dict[str, Any]) -> None:
