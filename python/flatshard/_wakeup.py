@@ -12,7 +12,10 @@ waits. A rank whose wait stalled sends each peer its token in a datagram, at eve
 stall (a datagram may be lost; the next look sends it again), after reading the peers' addresses
 once. A datagram without the token (anything else that found the port) is ignored: only a process
 that reads the job's store can wake a heartbeat. Where no UDP socket can be bound the heartbeat
-waits on its store key through a client of its own, as before.
+waits on its store key through a client of its own, as before. Where a firewall drops UDP between
+hosts while TCP passes, a heartbeat on another host does not wake: the ranks waiting in flatshard
+still reach their verdicts from each other's records, but a live rank blocked outside flatshard
+cannot answer a roll call after a peer died, and is then named among the gone.
 """
 
 from __future__ import annotations
