@@ -7,7 +7,7 @@
 - ``ddp``:       ``DistributedDataParallel``
 - ``local``:     the plain module, no communication (each rank trains on its own slice)
 
-All use AdamW with the same hyperparameters, ``zero_grad(set_to_none=True)``
+All use AdamW (foreach=True) with the same hyperparameters, ``zero_grad(set_to_none=True)``
 after every step, FULL_SHARD for the sharded peers and default prefetching.
 
 [Note: bf16 peers]
@@ -172,6 +172,10 @@ def build_peer(name: str, spec: ModelSpec, ctx: Ctx, *, force_sum: bool = False,
         raise ValueError(f"unknown peer {name!r}; expected one of {PEERS}")
     if bf16 and name in ("ddp", "local"):
         autocast = torch.bfloat16
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    # foreach=True for every peer: torch's default on GPUs, where these peers train; on a CPU torch would pick the
+    # single-tensor loop, whose per-tensor dispatch through DTensor (FSDP2, fully_shard) costs milliseconds a
+    # parameter there and would stand for the optimizer's code, not the sharding's (see [Note: The forward and
+    # backward alone] in workloads.py).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
     return Peer(name, model, optimizer, spec, replicated=name in ("ddp", "local"), units=units, notes=notes,
                 autocast=autocast)

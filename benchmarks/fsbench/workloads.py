@@ -83,9 +83,9 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
     transient = dict.fromkeys(peers, 0)
     # [Note: The forward and backward alone]
     # A step is forward + backward + the optimizer's step; the optimizer is the same code for every peer that
-    # steps the same kind of tensors (FSDP2 and fully_shard: DTensors, one at a time on a CPU where torch's
-    # optimizers have no foreach kernels). On the CPU each step's forward + backward is also timed alone (this
-    # rank's host time: the device is the host), so that the sharding's own overhead shows apart from it.
+    # steps the same kind of tensors (FSDP2 and fully_shard: DTensors; AdamW with foreach=True for all, as torch
+    # picks on a GPU: see peers.py). On the CPU each step's forward + backward is also timed alone (this rank's host
+    # time: the device is the host), so that the sharding's own overhead shows apart from it.
     forward_backward = {name: [] for name in peers}
 
     def step(name: str, i: int) -> None:
