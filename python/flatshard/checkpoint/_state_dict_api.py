@@ -57,7 +57,9 @@ TORCH_HELPERS_ERROR = (
     "model they would save each rank's optimizer shard under one name, and torch.distributed.checkpoint "
     "would keep only one rank's copy. Import the same functions from flatshard instead: "
     "`from flatshard.checkpoint import get_state_dict, set_state_dict` (same signatures and "
-    "StateDictOptions)."
+    "StateDictOptions), or leave the script as it is and set FLATSHARD_AS_TORCH_FSDP=1 in its "
+    "environment (or call flatshard.install_as_torch_fsdp() first), which makes torch's functions "
+    "flatshard's."
 )
 
 
