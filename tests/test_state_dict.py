@@ -82,8 +82,8 @@ def _unsupported(rank, world_size):
                          (StateDictType.LOCAL_STATE_DICT, ShardedStateDictConfig())):
         try:
             FSDP.set_state_dict_type(model, kind, config)
-        except ValueError as e:
-            assert f"for {kind.name} but got {config!r}" in str(e), str(e)
+        except RuntimeError as e:  # (torch's type and phrase, then the fix)
+            assert f"Expected state_dict_config of type" in str(e) and f"{kind.name} takes a" in str(e), str(e)
         else:
             raise AssertionError(f"{kind} with {config} was accepted")
     bad = dict(model.state_dict())

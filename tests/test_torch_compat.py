@@ -153,3 +153,46 @@ def test_ignored_states(kind):
         assert ours[rank]["ln_f_is_param"], "an ignored parameter stays the module's own, unsharded"
     with pytest.raises(ValueError, match=r"Cannot pass both ignored_modules and ignored_states at the same time"):
         FSDP(nn.Linear(2, 2), ignored_modules=[], ignored_states=[])
+
+
+def _misuse_as_torch(rank, world_size, impl) -> dict:
+    """Three misuses torch's own FSDP1 tests make on purpose (issue 35, item 4): ``apply`` inside
+    ``summon_full_params``, ``set_state_dict_type`` given the wrong config class, and reading ``_state_dict_type``;
+    what each raises (type and torch's phrase) or answers."""
+    import warnings
+
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+    if impl == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    else:
+        from flatshard import FullyShardedDataParallel as FSDP
+
+    cpu = torch.device("cpu")
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(4, 4), device_id=cpu), nn.Linear(4, 2)), device_id=cpu)
+    out = {}
+    try:
+        with FSDP.summon_full_params(model):
+            model.apply(lambda module: None)
+        out["apply"] = None
+    except Exception as e:  # noqa: BLE001 - compared below
+        out["apply"] = (type(e).__name__, str(e))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch deprecates state_dict_type)
+        try:
+            FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT, FullStateDictConfig())
+            out["config"] = None
+        except Exception as e:  # noqa: BLE001
+            out["config"] = (type(e).__name__, str(e))
+        FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+    out["type"] = str(model._state_dict_type)
+    return out
+
+
+def test_misuses_raise_as_torch_fsdp1():
+    for theirs, ours in zip(run_distributed(_misuse_as_torch, 2, "torch", timeout=60),
+                            run_distributed(_misuse_as_torch, 2, "flatshard", timeout=60)):
+        for what in ("apply", "config"):
+            assert theirs[what] is not None and ours[what] is not None, (what, theirs, ours)
+            assert ours[what][0] == theirs[what][0] and ours[what][1].startswith(theirs[what][1]), (what, theirs, ours)
+        assert ours["type"] == theirs["type"] == "StateDictType.SHARDED_STATE_DICT", (theirs, ours)

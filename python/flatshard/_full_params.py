@@ -285,6 +285,10 @@ def _computes_as_stored(s: UnitState) -> bool:
 
 def apply(unit: FullyShardedDataParallel, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
     """See ``FullyShardedDataParallel.apply``."""
+    if unit._unit_state.training_state is SUMMONING:  # (torch's type and phrase: its apply asserts IDLE)
+        raise ValueError(f"expected to be in states [<TrainingState.IDLE: 1>] but current state is "
+                         f"TrainingState.SUMMON_FULL_PARAMS: FullyShardedDataParallel.apply summons the unit's full "
+                         f"parameters itself; call it outside summon_full_params (or call nn.Module.apply there).")
     uninitialized = unit._unit_state.is_root is None
     with summon_full_params(unit, recurse=False, writeback=True):
         out = nn.Module.apply(unit, fn)

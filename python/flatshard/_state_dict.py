@@ -128,10 +128,10 @@ def set_state_dict_type(
     configs = []
     for config, cls in zip((state_dict_config, optim_state_dict_config), _CONFIGS[state_dict_type]):
         config = cls() if config is None else config
-        if not isinstance(config, cls):
-            raise ValueError(
-                f"FullyShardedDataParallel.set_state_dict_type: expected a {cls.__name__} for "
-                f"{state_dict_type.name} but got {config!r}"
+        if not isinstance(config, cls):  # (torch's type and phrase)
+            raise RuntimeError(
+                f"Expected {'optim_' if configs else ''}state_dict_config of type {cls} but got {type(config)} "
+                f"(FullyShardedDataParallel.set_state_dict_type: {state_dict_type.name} takes a {cls.__name__})"
             )
         configs.append(config)
     state_dict_config, optim_state_dict_config = configs

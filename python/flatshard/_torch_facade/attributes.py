@@ -15,7 +15,7 @@ configuration is fixed at wrap time; pass the value to the constructor instead.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -130,6 +130,11 @@ class TorchAttributes:
     @property
     def _has_params(self) -> bool:
         return self._unit_state.handle is not None
+
+    @property
+    def _state_dict_type(self) -> Any:
+        """The unit's state dict type, torch's enum (torch's tests and scripts read it after set_state_dict_type)."""
+        return self._unit_state.state_dict_type
 
     @property
     def _use_orig_params(self) -> bool:

@@ -33,7 +33,7 @@ TORCH_PRIVATE_STATE = frozenset({
     "_fully_sharded_module_to_handle", "_gradient_postdivide_factor", "_gradient_predivide_factor",
     "_ignored_buffer_names", "_ignored_modules", "_ignored_params", "_inter_node_pg", "_inter_node_state",
     "_optim_state_dict_config", "_post_forward_handles", "_pre_forward_handles", "_root_pre_forward_handles",
-    "_state_dict_config", "_state_dict_type", "_unshard_event", "_unshard_params_ctx", "_use_full_prec_in_eval",
+    "_state_dict_config", "_unshard_event", "_unshard_params_ctx", "_use_full_prec_in_eval",
     "_streams", "_default_stream", "_unshard_stream", "_post_backward_stream", "_pre_unshard_stream",
     "_all_reduce_stream", "_limiter", "_needs_pre_backward_unshard", "_post_backward_callback_queued",
 })
