@@ -196,3 +196,51 @@ def test_misuses_raise_as_torch_fsdp1():
             assert theirs[what] is not None and ours[what] is not None, (what, theirs, ours)
             assert ours[what][0] == theirs[what][0] and ours[what][1].startswith(theirs[what][1]), (what, theirs, ours)
         assert ours["type"] == theirs["type"] == "StateDictType.SHARDED_STATE_DICT", (theirs, ours)
+
+
+class _UnitTwiceInACheckpoint(nn.Module):
+    """A unit called twice inside one reentrant activation checkpoint (``checkpoint(lambda y: unit(unit(y)))``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(lambda y: self.inner(self.inner(y)), x, use_reentrant=True)).sum()
+
+
+def _unit_twice_in_a_checkpoint(rank, world_size, impl) -> tuple[list[float], list[torch.Tensor]]:
+    if impl == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    else:
+        from flatshard import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    net = _UnitTwiceInACheckpoint()
+    net.inner = FSDP(net.inner, device_id=cpu)
+    model = FSDP(net, device_id=cpu)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2 * step + rank), requires_grad=True)
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with FSDP.summon_full_params(model):
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_unit_called_twice_in_a_reentrant_checkpoint_trains_as_torch():
+    """Issue 35, item 8: the rerun's first use keeps the unit's parameters until its backward ran (it failed with a
+    storage-size error: the second use's post-backward resharded under it)."""
+    for (t_losses, t_params), (f_losses, f_params) in zip(
+            run_distributed(_unit_twice_in_a_checkpoint, 2, "torch", timeout=60),
+            run_distributed(_unit_twice_in_a_checkpoint, 2, "flatshard", timeout=60)):
+        assert f_losses == t_losses
+        assert all(torch.equal(a, b) for a, b in zip(f_params, t_params))

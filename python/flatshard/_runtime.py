@@ -33,8 +33,8 @@ Activation checkpointing reruns module code during backward. Inside a unit
 (checkpointed blocks, then FSDP): the rerun reads the module attributes, so
 pre-backward hands out fresh autograd views of the re-gathered buffer
 through a speculative use; if its backward runs (reentrant checkpointing
-backpropagates through the rerun) it is a post-backward like any other, but
-it never holds a reduction back. Around a unit (``checkpoint(unit, x)``): the
+backpropagates through the rerun) it is a post-backward like any other (see
+[Note: Pending uses] for when it holds the unit's reduction back). Around a unit (``checkpoint(unit, x)``): the
 unit's own forward runs during backward; it is a recomputation: views as
 above, no new pending use, no hooks, no reshard (the graph being
 backpropagated needs the parameters).
@@ -49,7 +49,10 @@ node), never from when Python frees objects (a rank that keeps an extra
 forward's output, or collects garbage at another moment, must not change
 which collectives it issues). Inside a nested backward (reentrant
 checkpointing), where only the inner graph can be asked, every live unrun
-use counts as pending.
+use counts as pending. A rerun's speculative use counts when the backward
+being run executes its node: a unit the rerun calls twice (reentrant
+checkpointing of ``unit(unit(x))``) keeps its parameters until both uses'
+backward ran.
 
 [Note: no_sync]
 Inside ``no_sync()`` gradients are not reduced: each unit's gradient accumulates
@@ -584,10 +587,15 @@ def has_pending_uses(s: UnitState) -> bool:
         return False
     nested = task != s.root.backward_task
     for use in list(s.uses):
-        if use.done or use.speculative or use.node is None:
+        if use.done or use.node is None:
             continue
         node = use.node()
-        if node is not None and (nested or torch._C._will_engine_execute_node(node)):
+        if node is None:
+            continue
+        if use.speculative:  # a rerun's use: pending when this backward runs it (reentrant checkpointing)
+            if torch._C._will_engine_execute_node(node):
+                return True
+        elif nested or torch._C._will_engine_execute_node(node):
             return True
     return False
 
