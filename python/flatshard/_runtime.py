@@ -628,6 +628,25 @@ def queue_end_of_backward(root: RootState) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))
 
 
+# [Note: A backward inside the forward]
+# A model may differentiate inside its own forward: a force field's forward computes the energy, then
+# the forces as ``torch.autograd.grad(energy, positions, create_graph=True)``, and the training loss
+# uses both. That inner backward runs through units whose forward is over (resharded after it, for
+# FULL_SHARD) while the root's forward is still running. It is not the training step's backward: it
+# must not end the iteration, switch the units' states, reduce or reshard. So while the root's forward
+# runs, a unit's pre-backward only gathers the unit again and hands out fresh views (the graph that
+# create_graph builds saves them for the step's backward); the unit stays unsharded until its
+# post-backward in the step's backward. Gradients of parameters inside the forward (their views'
+# backward running there) are refused by name: they would be reduced in the middle of a forward.
+
+
+def _gather_for_inner_backward(s: UnitState) -> None:
+    if s.handle is not None:
+        views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set)
+        if views is not None:
+            hand_out_views(s, views)
+
+
 def _refuse_backward(s: UnitState) -> None:
     """A backward through a unit that is summoned, or inside its own forward, is the caller's misuse: raises
     (the hooks test the state inline, a call less per unit on the hot path)."""
@@ -645,6 +664,9 @@ def _refuse_backward(s: UnitState) -> None:
 def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> None:
     if s.training_state is SUMMONING or s.training_state is FORWARD:
         _refuse_backward(s)
+    if s.root.in_forward_call:  # see [Note: A backward inside the forward]
+        _gather_for_inner_backward(s)
+        return
     if not s.root.final_callback_queued:
         queue_end_of_backward(s.root)
     if s.handle is not None:
@@ -663,6 +685,12 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
 def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]) -> None:
     if s.training_state is SUMMONING or s.training_state is FORWARD:
         _refuse_backward(s)
+    if s.root.in_forward_call:  # see [Note: A backward inside the forward]
+        raise UsageError(
+            f"FullyShardedDataParallel: a backward inside the model's forward computed gradients of unit "
+            f"'{s.label}''s parameters (torch.autograd.grad over parameters, or backward(), during forward); "
+            f"flatshard supports gradients of the forward's inputs there (torch.autograd.grad(energy, positions, "
+            f"create_graph=True)), not of the parameters: take those in the training step's backward.")
     s.switch("post-backward")
     use.finish()
     if s.config.use_orig_params:
