@@ -298,3 +298,42 @@ def test_autograd_grad_inside_the_forward_trains_as_torch():
                                                           run_distributed(_force_field, 2, "flatshard", timeout=60)):
         assert f_losses == t_losses
         assert all(torch.equal(a, b) for a, b in zip(f_params, t_params))
+
+
+def _accumulate_without_sync(rank, world_size, impl) -> tuple[list[float], list[torch.Tensor]]:
+    """Two steps of two micro-batches, the first inside ``no_sync()`` (flatshard's collective-free mode with
+    ``keep_parameters_unsharded=True``): the losses and the final full parameters."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from models import Block, gpt_loss, local_slice, make_batch, make_gpt
+
+    if impl == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    else:
+        from flatshard import FullyShardedDataParallel as FSDP
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {"keep_parameters_unsharded": True} if impl == "flatshard" else {}
+    losses = []
+    for step in range(2):
+        tokens, targets = local_slice(make_batch(seed=step), rank, world_size)
+        with model.no_sync(**kwargs):
+            first = gpt_loss(model, tokens[:2], targets[:2]) / 2
+            first.backward()
+        second = gpt_loss(model, tokens[2:], targets[2:]) / 2
+        second.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(first.item() + second.item())
+    with FSDP.summon_full_params(model):
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_no_sync_keeping_parameters_unsharded_trains_as_torchs_no_sync():
+    """Issue 35, item 7: flatshard's collective-free accumulation (``no_sync(keep_parameters_unsharded=True)``)
+    changes what is held, not the numbers: bit-equal to torch FSDP1's plain ``no_sync()``."""
+    for (t_losses, t_params), (f_losses, f_params) in zip(
+            run_distributed(_accumulate_without_sync, 2, "torch", timeout=90),
+            run_distributed(_accumulate_without_sync, 2, "flatshard", timeout=90)):
+        assert f_losses == t_losses
+        assert all(torch.equal(a, b) for a, b in zip(f_params, t_params))
