@@ -337,3 +337,36 @@ def test_no_sync_keeping_parameters_unsharded_trains_as_torchs_no_sync():
             run_distributed(_accumulate_without_sync, 2, "flatshard", timeout=90)):
         assert f_losses == t_losses
         assert all(torch.equal(a, b) for a, b in zip(f_params, t_params))
+
+
+def _flat_parameter_fields(rank, world_size, impl) -> list[dict]:
+    """torch FlatParameter's fields of every unit of an odd-sized model (its units pad at W = 2)."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    if impl == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    else:
+        from flatshard import FullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(3, 5), nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 1, bias=False))),
+                 auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), device_id=torch.device("cpu"))
+    model(torch.randn(2, 3)).sum().backward()  # (torch sets some of them at lazy init)
+    fields = []
+    for unit in FSDP.fsdp_modules(model):
+        flat = unit._flat_param
+        fields.append({
+            "fqns": tuple(flat._fqns), "num_params": flat._num_params, "numels": tuple(flat._numels),
+            "shapes": tuple(flat._shapes),
+            "param_infos": [(info.param_name, type(info.module).__name__, info.module_name) for info in flat._param_infos],
+            "shard_param_infos": [tuple(info) for info in flat._shard_param_infos],
+            "sizes": (flat._unpadded_unsharded_size, flat._padded_unsharded_size, flat._sharded_size,
+                      flat._shard_numel_padded)})
+    return fields
+
+
+def test_flat_parameter_fields_as_torch_fsdp1():
+    """Issue 35, item 7: the FlatParameter fields frameworks and torch's tests read beside ``_fqns``, equal to torch
+    FSDP1's (use_orig_params=False: the same layout)."""
+    for theirs, ours in zip(run_distributed(_flat_parameter_fields, 2, "torch", timeout=60),
+                            run_distributed(_flat_parameter_fields, 2, "flatshard", timeout=60)):
+        assert ours == theirs

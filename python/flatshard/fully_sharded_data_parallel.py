@@ -69,7 +69,7 @@ from flatshard._common import (
 )
 from flatshard._config import UnitConfig
 from flatshard._state import TrainingState, UnitState
-from flatshard._torch_facade.attributes import TorchAttributes
+from flatshard._torch_facade.attributes import TorchAttributes, mark_flat_parameter
 from flatshard._torch_facade.internals import missing_attribute
 from flatshard.checkpoint._state_dict_api import TORCH_HELPERS_ERROR
 from flatshard.api import (
@@ -168,6 +168,7 @@ class FullyShardedDataParallel(TorchAttributes, nn.Module):
         _construction.build_flat_param(self, module)
         if state.handle is not None:
             _runtime.set_views(state, state.placeholders, placeholders=True)
+            mark_flat_parameter(state)  # (torch FlatParameter's fields)
         _state_dict_load.register_load_hooks(self)
 
     # --------------------------------------------------------------- runtime

@@ -295,3 +295,33 @@ class HandleView:
                 f"FlatParamHandle.unshard: unit '{s.label}' has no root yet; run the root's forward first, or "
                 f"use FSDP.summon_full_params(model) to see the full parameters.")
         set_views(s, s.root.scheduler.wait_for_unshard(s.handle, None, views=True))
+
+
+def mark_flat_parameter(s: UnitState) -> None:
+    """The class's flat parameter gets torch FSDP1's ``FlatParameter`` fields that frameworks and torch's tests read
+    (beside ``_fqns``, set at construction): what it holds (``_num_params``, ``_numels``, ``_shapes``,
+    ``_param_infos``) and this rank's part of it (``_shard_param_infos``, ``_unpadded_unsharded_size``,
+    ``_padded_unsharded_size``, ``_sharded_size``, ``_shard_numel_padded``), in torch's types, describing
+    flatshard's layout (FSDP1's without ``use_orig_params``; with it, torch aligns each parameter and flatshard does
+    not, so the offsets are flatshard's own)."""
+    from torch.distributed.fsdp._flat_param import ParamInfo, _ShardParamInfo
+
+    flat, layout, handle = s.flat_param, s.handle.layout, s.handle
+    first_slot: dict[int, tuple[nn.Module, str]] = {}
+    for module, attr, index in s.param_slots:
+        first_slot.setdefault(index, (module, attr))
+    numels = tuple(layout.numels)
+    flat._num_params = len(numels)
+    flat._numels = numels
+    flat._shapes = tuple(torch.Size(shape) for shape in layout.shapes)
+    flat._param_infos = tuple(ParamInfo(first_slot[i][1], first_slot[i][0], s.param_local_names[i].rpartition(".")[0])
+                              for i in range(len(numels)))
+    rank = handle.rank if not handle.is_replicated else 0
+    slices = {i: (in_param, in_shard, n) for i, in_param, in_shard, n in layout.shard_slices(rank)}
+    flat._shard_param_infos = tuple(
+        _ShardParamInfo(True, slices[i][1], slices[i][2], slices[i][0], slices[i][0] + slices[i][2] - 1)
+        if i in slices else _ShardParamInfo(False, None, None, None, None) for i in range(len(numels)))
+    flat._unpadded_unsharded_size = torch.Size([layout.unpadded_numel])
+    flat._padded_unsharded_size = torch.Size([layout.padded_numel])
+    flat._sharded_size = flat.size()
+    flat._shard_numel_padded = flat.numel() - sum(n for _, _, n in slices.values())
