@@ -198,6 +198,27 @@ def test_misuses_raise_as_torch_fsdp1():
         assert ours["type"] == theirs["type"] == "StateDictType.SHARDED_STATE_DICT", (theirs, ours)
 
 
+def _two_units_trained(impl: str, net: nn.Module, inner: str, loss_of, lr: float) -> tuple[list, list, nn.Module]:
+    """``net`` with its child ``inner`` a unit and itself the root (FSDP1: torch's or flatshard's), three SGD steps
+    of ``loss_of(model, step)``: the losses, the final full parameters and the model."""
+    from models import fsdp_class
+
+    FSDP = fsdp_class(impl)
+    cpu = torch.device("cpu")
+    setattr(net, inner, FSDP(getattr(net, inner), device_id=cpu))
+    model = FSDP(net, device_id=cpu)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(3):
+        loss = loss_of(model, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with FSDP.summon_full_params(model):
+        return losses, [p.detach().clone() for p in model.parameters()], model
+
+
 class _UnitTwiceInACheckpoint(nn.Module):
     """A unit called twice inside one reentrant activation checkpoint (``checkpoint(lambda y: unit(unit(y)))``)."""
 
@@ -213,27 +234,12 @@ class _UnitTwiceInACheckpoint(nn.Module):
 
 
 def _unit_twice_in_a_checkpoint(rank, world_size, impl) -> tuple[list[float], list[torch.Tensor]]:
-    if impl == "torch":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    else:
-        from flatshard import FullyShardedDataParallel as FSDP
-
     torch.manual_seed(0)
-    cpu = torch.device("cpu")
-    net = _UnitTwiceInACheckpoint()
-    net.inner = FSDP(net.inner, device_id=cpu)
-    model = FSDP(net, device_id=cpu)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(3):
-        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2 * step + rank), requires_grad=True)
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    with FSDP.summon_full_params(model):
-        return losses, [p.detach().clone() for p in model.parameters()]
+
+    def loss_of(model, step):
+        return model(torch.randn(3, 4, generator=torch.Generator().manual_seed(2 * step + rank), requires_grad=True))
+
+    return _two_units_trained(impl, _UnitTwiceInACheckpoint(), "inner", loss_of, 0.1)[:2]
 
 
 def test_a_unit_called_twice_in_a_reentrant_checkpoint_trains_as_torch():
@@ -263,31 +269,18 @@ class _ForceField(nn.Module):
 
 
 def _force_field(rank, world_size, impl) -> tuple[list[float], list[torch.Tensor]]:
-    if impl == "torch":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    else:
-        from flatshard import FullyShardedDataParallel as FSDP
-
     torch.manual_seed(0)
-    cpu = torch.device("cpu")
-    net = _ForceField()
-    net.embed = FSDP(net.embed, device_id=cpu)
-    model = FSDP(net, device_id=cpu)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    losses = []
-    for step in range(3):
+
+    def loss_of(model, step):
         energy, forces = model(torch.randn(5, 3, generator=torch.Generator().manual_seed(2 * step + rank)))
-        loss = energy + forces.square().sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        return energy + forces.square().sum()
+
+    losses, params, model = _two_units_trained(impl, _ForceField(), "embed", loss_of, 0.01)
     if impl == "flatshard":  # (gradients of the parameters inside the forward: refused by name)
         with pytest.raises(RuntimeError, match=r"a backward inside the model's forward computed gradients of unit "
-                                             r"'embed''s parameters"):
+                                               r"'embed''s parameters"):
             model(torch.randn(5, 3), over_parameters=True)
-    with FSDP.summon_full_params(model):
-        return losses, [p.detach().clone() for p in model.parameters()]
+    return losses, params
 
 
 def test_autograd_grad_inside_the_forward_trains_as_torch():
