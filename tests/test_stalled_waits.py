@@ -453,9 +453,10 @@ def test_a_look_reads_its_guard_partners_only(world_size):
     assert seen == set(ranks)
 
 
-def test_a_heartbeat_wakes_only_to_its_token():
+def test_a_heartbeat_wakes_only_to_its_token(caplog):
     """[Note: Waking a heartbeat without a connection]: a datagram without the rank's token (anything that found the
-    port) leaves the heartbeat waiting; its token wakes it; the watch's stop ends the wait."""
+    port: the guard links' old greeting, garbage) leaves the heartbeat waiting and is reported, once per sender; its
+    token wakes it; the watch's stop ends the wait."""
     import socket
     import threading
 
@@ -468,8 +469,13 @@ def test_a_heartbeat_wakes_only_to_its_token():
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for garbage in (b"flatshard-guard-link\n", b"\0" * 64, token[:-1].encode()):
             sock.sendto(garbage, (host, int(port)))
-    waiter.join(timeout=0.5)
+    deadline = time.monotonic() + 30  # (the reports are what says the datagrams were read: no guessed wait)
+    while not [r for r in caplog.records if "without its token" in r.getMessage()] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # (the other two datagrams, from the same sender: read, not reported again)
     assert waiter.is_alive() and not woke, "woken by a datagram without the token"
+    reports = [r.getMessage() for r in caplog.records if "without its token" in r.getMessage()]
+    assert len(reports) == 1 and "from 127.0.0.1:" in reports[0], reports
     wake(wakeup.address)
     waiter.join(timeout=30)
     assert woke == [True]

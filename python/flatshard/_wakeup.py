@@ -10,8 +10,9 @@ publishes ``host:port:token`` under ``wake/<rank>`` in the store once, when its 
 heartbeat blocks in ``recv`` on that socket: no connection, no store operation, no CPU while it
 waits. A rank whose wait stalled sends each peer its token in a datagram, at every look of the
 stall (a datagram may be lost; the next look sends it again), after reading the peers' addresses
-once. A datagram without the token (anything else that found the port) is ignored: only a process
-that reads the job's store can wake a heartbeat. Where no UDP socket can be bound the heartbeat
+once. A datagram without the token (anything else that found the port) is ignored and reported in
+a warning naming its sender (once per sender), as the guard's links report a stranger: only a
+process that reads the job's store can wake a heartbeat. Where no UDP socket can be bound the heartbeat
 waits on its store key through a client of its own, as before. Where a firewall drops UDP between
 hosts while TCP passes, a heartbeat on another host does not wake: the ranks waiting in flatshard
 still reach their verdicts from each other's records, but a live rank blocked outside flatshard
@@ -24,6 +25,8 @@ import hmac
 import secrets
 import socket
 import threading
+
+from flatshard._common import logger
 
 _TOKEN_BYTES = 16
 _POLL_SECONDS = 1.0  # how often a waiting heartbeat looks at its stop flag (a timeout of recv: no traffic)
@@ -47,15 +50,21 @@ class Wakeup:
     def wait(self, stop: threading.Event) -> bool:
         """Blocks until a datagram carrying this rank's token arrives (True) or ``stop`` is set (False)."""
         want = self._token.encode()
+        strangers: set[tuple] = set()
         while not stop.is_set():
             try:
-                data = self._sock.recv(256)
+                data, sender = self._sock.recvfrom(256)
             except socket.timeout:
                 continue
             except OSError:  # closed under it: the watch is ending
                 return False
             if hmac.compare_digest(data, want):
                 return not stop.is_set()
+            if sender not in strangers:
+                strangers.add(sender)
+                logger.warning("flatshard: the stall watch's wake-up socket (%s) got a datagram without its token from "
+                               "%s:%s; ignored (only a process that reads the job's store can wake it)",
+                               self.address.rsplit(":", 1)[0], *sender[:2])
         return False
 
     def close(self) -> None:
