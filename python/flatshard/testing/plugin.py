@@ -64,13 +64,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("world_size")
     if marker is None:
         return
+    # (A misuse fails the collection of its file, as pytest's own marker errors do; the other files run.)
     sizes = [int(s) for s in marker.args]
     if not sizes or any(s < 1 for s in sizes):
-        raise pytest.UsageError(f"{metafunc.definition.nodeid}: @pytest.mark.world_size needs one or more sizes >= 1, "
-                                f"got {marker.args}")
+        pytest.fail(f"{metafunc.definition.nodeid}: @pytest.mark.world_size needs one or more sizes >= 1, got "
+                    f"{marker.args}", pytrace=False)
     if "world_size" not in metafunc.fixturenames or "rank" not in metafunc.fixturenames:
-        raise pytest.UsageError(f"{metafunc.definition.nodeid}: a world_size-marked test takes the arguments rank and "
-                                f"world_size (def {metafunc.function.__name__}(rank, world_size, ...))")
+        pytest.fail(f"{metafunc.definition.nodeid}: a world_size-marked test takes the arguments rank and world_size "
+                    f"(def {metafunc.function.__name__}(rank, world_size, ...))", pytrace=False)
     metafunc.parametrize("world_size", sizes, ids=[f"W{s}" for s in sizes])
 
 
