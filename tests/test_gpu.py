@@ -220,7 +220,7 @@ def test_shards_to_host_and_back_on_gpu(api):
     """flatshard.move_shards_to_host/device mid-training (verl's offload between rollout and update): memory
     freed on the device, a forward meanwhile refused, training goes on exactly as a model never moved. The class
     with either use_orig_params, and fully_shard (whose DTensor parameters follow their shards)."""
-    run_distributed(_shards_to_host_and_back, 1, "nccl", api, timeout=240)
+    run_distributed(_shards_to_host_and_back, 1, "nccl", api, backend="nccl", timeout=240)  # (the default group: NCCL)
 
 
 def _fully_shard_on_device(rank, world_size, backend, device_type, offload):
