@@ -30,12 +30,12 @@ _DEFAULT_TIMEOUT_S = 120.0
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("flatshard.testing", "multi-rank tests (flatshard.testing)")
     group.addoption("--rank-backend", choices=("auto", "gloo", "nccl"), default=None,
-                    help="process group backend of world_size-marked tests (default: auto, NCCL where every rank "
-                         "has a GPU, else gloo)")
+                    help="process group backend of the ranks (world_size-marked tests, run_distributed) where a test "
+                         "names none (default: auto, NCCL where every rank has a GPU, else gloo)")
     group.addoption("--rank-timeout", type=float, default=None,
                     help=f"seconds a world_size-marked test may run before its ranks' stacks are dumped and they are "
                          f"killed (default {_DEFAULT_TIMEOUT_S:.0f})")
-    parser.addini("rank_backend", "default process group backend of world_size-marked tests", default="auto")
+    parser.addini("rank_backend", "default process group backend of the ranks (auto, gloo, nccl)", default="auto")
     parser.addini("rank_timeout", "default deadline (seconds) of world_size-marked tests", default="")
     parser.addini("rank_preload", "modules the ranks' fork server imports before forking", type="linelist",
                   default=[])
