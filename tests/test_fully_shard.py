@@ -39,7 +39,8 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
-         "divide_factor_summed", "kept_after_backward", "cast_to_float64_after", "matrices_on_dim_1"]
+         "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
+         "matrices_on_dim_1"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -91,7 +92,7 @@ def _build(impl: str, case: str) -> nn.Module:
 
         kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         kwargs["reshard_after_forward"] = not case.endswith("=False")
-    if case == "kept_after_backward":  # (torch's own test pairs set_reshard_after_backward with this)
+    if case.startswith("kept_after_backward"):  # (torch's own test pairs set_reshard_after_backward with this)
         kwargs["reshard_after_forward"] = False
     if case == "matrices_on_dim_1":  # every matrix's chunk along dim 1 (its columns divide by 2 and 4), 1-D ones on 0
         from torch.distributed.tensor import Shard
@@ -163,7 +164,7 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
     losses, grads = [], []
     for step in range(STEPS):
         tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size)
-        if case.endswith(("no_gradient_sync", "kept_after_backward", "reduce_scatter_only")):
+        if case.endswith(("no_gradient_sync", "kept_after_backward", "kept_after_backward_synced", "reduce_scatter_only")):
             # Two micro-batches, the first without reduction (kept: its parameters kept unsharded too, so that the
             # second forward gathers nothing; reduce-scatter only: HSDP's all-reduce left to the second)
             first_flags, last_flags = _accumulation_flags(case)
@@ -190,9 +191,11 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
 def _accumulation_flags(case: str) -> tuple[list, list]:
     """The FSDPModule setters called before the first micro-batch and before the last (torch's gradient
     accumulation test's)."""
-    setter = {"kept_after_backward": "set_reshard_after_backward",
+    setter = {"kept_after_backward": "set_reshard_after_backward", "kept_after_backward_synced": "set_reshard_after_backward",
               "reduce_scatter_only": "set_requires_all_reduce"}.get(case.split("_2x2_")[-1])
-    flags = [setter] if setter == "set_requires_all_reduce" else ["set_requires_gradient_sync"] + [setter] * bool(setter)
+    # (kept, synced: each micro-batch reduced, the parameters kept unsharded between them)
+    alone = setter == "set_requires_all_reduce" or case == "kept_after_backward_synced"
+    flags = [setter] if alone else ["set_requires_gradient_sync"] + [setter] * bool(setter)
     return [(f, False) for f in flags], [(f, True) for f in flags]
 
 

@@ -255,40 +255,79 @@ def test_a_unit_called_twice_in_a_reentrant_checkpoint_trains_as_torch():
 class _ForceField(nn.Module):
     """A force field's forward: the energy, then the forces as its gradient in the positions (create_graph)."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
         self.embed = nn.Sequential(nn.Linear(3, 8), nn.Tanh())
         self.energy = nn.Linear(8, 1)
+        self.checkpointed = checkpointed
 
     def forward(self, positions: torch.Tensor, over_parameters: bool = False):
+        from torch.utils.checkpoint import checkpoint
+
         positions = positions.requires_grad_(True)
-        energy = self.energy(self.embed(positions)).sum()
+        hidden = (checkpoint(self.embed, positions, use_reentrant=False) if self.checkpointed
+                  else self.embed(positions))
+        energy = self.energy(hidden).sum()
         wrt = list(self.embed.parameters()) if over_parameters else positions
         forces = -torch.autograd.grad(energy, wrt, create_graph=True)[0]
         return energy, forces
 
 
-def _force_field(rank, world_size, impl) -> tuple[list[float], list[torch.Tensor]]:
+def _force_field(rank, world_size, impl, variant) -> tuple[list[float], list[torch.Tensor]]:
+    """``variant``: "plain"; "checkpointed_frozen" (the embedding unit frozen, a pretrained backbone, and
+    checkpointed without reentrance: its rerun and its frozen end of backward happen inside the forward's grad)."""
     torch.manual_seed(0)
+    net = _ForceField(checkpointed=variant != "plain")
+    if variant != "plain":
+        net.embed.requires_grad_(False)
 
     def loss_of(model, step):
         energy, forces = model(torch.randn(5, 3, generator=torch.Generator().manual_seed(2 * step + rank)))
         return energy + forces.square().sum()
 
-    losses, params, model = _two_units_trained(impl, _ForceField(), "embed", loss_of, 0.01)
-    if impl == "flatshard":  # (gradients of the parameters inside the forward: refused by name)
+    losses, params, model = _two_units_trained(impl, net, "embed", loss_of, 0.01)
+    if impl == "flatshard" and variant == "plain":  # (gradients of the parameters inside the forward: refused)
         with pytest.raises(RuntimeError, match=r"a backward inside the model's forward computed gradients of unit "
                                                r"'embed''s parameters"):
             model(torch.randn(5, 3), over_parameters=True)
     return losses, params
 
 
+def _force_field_in_one_process(world_size: int, variant: str) -> list[torch.Tensor]:
+    """The oracle where torch's FSDP1 fails (the checkpointed frozen backbone): one plain model, each step's loss the
+    mean of the ranks' losses (FSDP's averaged gradient), the same SGD."""
+    torch.manual_seed(0)
+    net = _ForceField(checkpointed=variant != "plain")
+    if variant != "plain":
+        net.embed.requires_grad_(False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for step in range(3):
+        total = 0
+        for rank in range(world_size):
+            energy, forces = net(torch.randn(5, 3, generator=torch.Generator().manual_seed(2 * step + rank)))
+            total = total + (energy + forces.square().sum()) / world_size
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_autograd_grad_inside_a_checkpointed_frozen_backbone_trains_as_one_process():
+    """The same with the backbone frozen and checkpointed without reentrance (its rerun and its frozen end of backward
+    happen inside the forward's grad), where torch's FSDP1 itself fails; the oracle is one process (rtol 1e-6)."""
+    want = _force_field_in_one_process(2, "checkpointed_frozen")
+    for _, params in run_distributed(_force_field, 2, "flatshard", "checkpointed_frozen", timeout=60):
+        for got, expected in zip(params, want):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
 def test_autograd_grad_inside_the_forward_trains_as_torch():
     """Issue 35, item 8: a forward that differentiates (forces from the energy, create_graph=True) through units
     whose forward is over; flatshard ended the iteration there (an internal error at the root's end of forward).
     See [Note: A backward inside the forward]."""
-    for (t_losses, t_params), (f_losses, f_params) in zip(run_distributed(_force_field, 2, "torch", timeout=60),
-                                                          run_distributed(_force_field, 2, "flatshard", timeout=60)):
+    for (t_losses, t_params), (f_losses, f_params) in zip(
+            run_distributed(_force_field, 2, "torch", "plain", timeout=60),
+            run_distributed(_force_field, 2, "flatshard", "plain", timeout=60)):
         assert f_losses == t_losses
         assert all(torch.equal(a, b) for a, b in zip(f_params, t_params))
 

@@ -339,10 +339,12 @@ class FSDPModule(TorchFSDPModule):
                     f"fully_shard, or pass the mesh of the device it should train on.")
             if probe.dtype != shard.dtype:
                 casts.append((s, probe.dtype))
-        for s, dtype in casts:
-            if s.root is not None and s.root.in_iteration:
+        for s, dtype in casts:  # (every refusal before anything changes)
+            if (s.root is not None and s.root.in_iteration) or s.handle.has_unsharded_grad():
                 raise RuntimeError(f"fully_shard: {type(s.wrapped_module).__name__} cannot be cast to {dtype} during "
-                                   f"a forward/backward iteration; cast it between steps.")
+                                   f"a forward/backward iteration, nor with gradients accumulated without sync "
+                                   f"(set_requires_gradient_sync(False)) and not reduced yet; cast it between steps.")
+        for s, dtype in casts:
             if s.root is not None:
                 _runtime.reshard(s)
             _orig_params.writeback(s)  # (a zero_grad since the last step included)

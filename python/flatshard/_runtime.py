@@ -464,8 +464,10 @@ def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any
     without grad the iteration ended at the root, else the use's pre-backward hooked to the output."""
     root = s.root
     if s.handle is not None and grad_enabled and not s.flat_param.requires_grad:
-        # A frozen unit has no post-backward: its backward is over once its inputs' gradients are computed.
-        tensors = [t for t in tensors_in(inputs) if t.requires_grad]
+        # A frozen unit has no post-backward: its backward is over once its inputs' gradients are computed. (Leaf
+        # inputs left out: torch's multi-grad hook refuses them inside torch.autograd.grad; a unit whose inputs are
+        # all leaves is resharded at the end of backward.)
+        tensors = [t for t in tensors_in(inputs) if t.requires_grad and t.grad_fn is not None]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(frozen_post_backward, s),
                                                           mode="all")
@@ -539,8 +541,10 @@ def _begin_recompute(s: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, di
         _refuse_backward(s)
     s.switch("recompute")
     # Checkpointing around the root: its first forward ran without grad (and ended the
-    # iteration), so no pre-backward queued the end of this backward.
-    queue_end_of_backward(root)
+    # iteration), so no pre-backward queued the end of this backward. (Not a backward inside
+    # the forward: see [Note: A backward inside the forward].)
+    if not root.in_forward_call:
+        queue_end_of_backward(root)
     args, kwargs = _forward_inputs(s, args, kwargs)  # as in its first forward
     handle = s.handle
     if handle is not None:
@@ -715,6 +719,8 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
 
 
 def frozen_post_backward(s: UnitState, _grads: Any) -> None:
+    if s.root.in_forward_call:  # see [Note: A backward inside the forward]
+        return
     s.switch("frozen post-backward")
     if not s.holds_unsharded and s.reshards_after_backward:
         reshard(s)
@@ -739,9 +745,10 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:
         s = unit._unit_state
         s.switch("end of backward")
-        if s.handle is not None and not s.holds_unsharded and s.reshards_after_backward:
-            reshard(s)
-            if s.config.use_orig_params and s.sync_gradients:
+        if s.handle is not None and not s.holds_unsharded:
+            if s.reshards_after_backward:
+                reshard(s)
+            if s.config.use_orig_params and s.sync_gradients:  # (reduced, whether or not the unit reshards)
                 _orig_params.use_grad_views(s)
 
 

@@ -332,6 +332,7 @@ def _raise_alarm(ranks: list[int]) -> None:
     for rank in ranks:
         if rank not in _watch.alarmed:
             _watch.store.set(f"alarm/{rank}", "1")
+        if _watch.alarmed.get(rank) is None:  # (read again at the next look until the peer has published it)
             key = f"wake/{rank}"
             _watch.alarmed[rank] = _watch.store.get(key).decode() if _watch.store.check([key]) else None
     for rank in ranks:

@@ -30,6 +30,7 @@ from flatshard._common import logger
 
 _TOKEN_BYTES = 16
 _POLL_SECONDS = 1.0  # how often a waiting heartbeat looks at its stop flag (a timeout of recv: no traffic)
+_MAX_REPORTS = 16  # senders reported (once each); more are ignored silently
 
 
 class Wakeup:
@@ -56,11 +57,13 @@ class Wakeup:
                 data, sender = self._sock.recvfrom(256)
             except socket.timeout:
                 continue
-            except OSError:  # closed under it: the watch is ending
-                return False
+            except OSError:
+                if self._sock.fileno() == -1:  # closed under it: the watch is ending
+                    return False
+                continue  # (a transient error: the next datagram may come)
             if hmac.compare_digest(data, want):
                 return not stop.is_set()
-            if sender not in strangers:
+            if sender not in strangers and len(strangers) < _MAX_REPORTS:
                 strangers.add(sender)
                 logger.warning("flatshard: the stall watch's wake-up socket (%s) got a datagram without its token from "
                                "%s:%s; ignored (only a process that reads the job's store can wake it)",
