@@ -142,3 +142,15 @@ def test_nccl_without_enough_gpus_is_skipped_with_the_reason():
         pytest.skip("this machine has 64 GPUs")
     with pytest.raises(pytest.skip.Exception, match=r"needs 64 GPUs for NCCL \(one per rank\); this machine has \d+"):
         run_distributed(os.getpid, 64, backend="nccl")
+
+
+def test_the_plugin_imports_nothing_of_flatshard_until_a_marked_test_runs():
+    """pytest loads the plugin in every session where flatshard is installed: loading it must not import flatshard
+    (its extension) nor torch."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, _flatshard_pytest_plugin; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flatshard', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out

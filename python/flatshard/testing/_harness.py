@@ -157,12 +157,21 @@ def set_default_backend(backend: str | None) -> None:
     _configured_backend = backend
 
 
+def _plugin_settings() -> dict:
+    """The pytest plugin's session settings (``--rank-backend``, ``rank_preload``), if it is loaded."""
+    plugin = sys.modules.get("_flatshard_pytest_plugin")
+    return getattr(plugin, "SETTINGS", {})
+
+
 def _default_backend(world_size: int) -> str:
     """See [Note: Backends and devices]."""
     import torch
 
     if _configured_backend is not None:
         return _configured_backend
+    session = _plugin_settings().get("backend")
+    if session is not None:
+        return session
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
@@ -184,7 +193,7 @@ def _get_context():
     with _ctx_lock:
         if _ctx is None:
             ctx = multiprocessing.get_context("forkserver")
-            preload = list(_PRELOAD)
+            preload = list(_PRELOAD) + [m for m in _plugin_settings().get("preload", []) if m not in _PRELOAD]
             # Preload flatshard only if it imports cleanly here: the fork server
             # swallows ImportError but any other exception at preload would kill it.
             try:

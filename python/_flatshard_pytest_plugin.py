@@ -1,11 +1,15 @@
-"""The pytest plugin: ``@pytest.mark.world_size(2, 4)`` runs a test function on that many ranks.
+"""flatshard.testing's pytest plugin: ``@pytest.mark.world_size(2, 4)`` runs a test function on that many ranks.
+
+PYTEST_DONT_REWRITE. A top-level module of its own, importing nothing of flatshard (nor torch) until a marked test
+runs: pytest loads it in every session of an environment where flatshard is installed, and neither the start of
+those sessions nor their life may depend on flatshard's extension loading.
 
 [Note: The world_size marker]
 A test function marked ``world_size(*sizes, backend=None, timeout=None)`` asks for the fixtures
 ``rank`` and ``world_size``; the plugin parametrizes ``world_size`` over the sizes (ids ``W2``,
 ``W4``) and, instead of calling the function in the pytest process, runs it on that many ranks
 with ``run_distributed`` (each rank a process with a process group: see [Note: Backends and
-devices] in _harness.py), ``rank`` set in each. Its other fixtures are made in the pytest process
+devices] in flatshard/testing/_harness.py), ``rank`` set in each. Its other fixtures are made in the pytest process
 and handed to every rank (they must pickle: ``tmp_path`` does). The first failing rank's
 traceback (assertions rewritten, with their values) and log are the test's failure; a rank that
 hangs fails the test at the deadline with every unfinished rank's stacks; nothing is left running.
@@ -23,6 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+# The session's settings, read by flatshard.testing._harness when it first runs (this module imports nothing of
+# flatshard): "backend" (None: auto) and "preload" (module names).
+SETTINGS: dict[str, Any] = {"backend": None, "preload": []}
 
 _DEFAULT_TIMEOUT_S = 120.0
 
@@ -45,13 +53,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "world_size(*sizes, backend=None, timeout=None): run the test on that many ranks, one process "
                    "each, parametrized over the sizes (fixtures rank and world_size; see flatshard.testing)")
-    from flatshard.testing._harness import preload, set_default_backend
-
-    modules = config.getini("rank_preload")
-    if modules:
-        preload(*modules)
+    SETTINGS["preload"] = list(config.getini("rank_preload"))
     chosen = config.getoption("--rank-backend") or config.getini("rank_backend")
-    set_default_backend(None if chosen in (None, "", "auto") else chosen)
+    SETTINGS["backend"] = None if chosen in (None, "", "auto") else chosen
 
 
 @pytest.fixture
