@@ -255,11 +255,11 @@ def test_a_unit_called_twice_in_a_reentrant_checkpoint_trains_as_torch():
 class _ForceField(nn.Module):
     """A force field's forward: the energy, then the forces as its gradient in the positions (create_graph)."""
 
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, checkpointed: bool = False, create_graph: bool = True) -> None:
         super().__init__()
         self.embed = nn.Sequential(nn.Linear(3, 8), nn.Tanh())
         self.energy = nn.Linear(8, 1)
-        self.checkpointed = checkpointed
+        self.checkpointed, self.create_graph = checkpointed, create_graph
 
     def forward(self, positions: torch.Tensor, over_parameters: bool = False):
         from torch.utils.checkpoint import checkpoint
@@ -269,7 +269,7 @@ class _ForceField(nn.Module):
                   else self.embed(positions))
         energy = self.energy(hidden).sum()
         wrt = list(self.embed.parameters()) if over_parameters else positions
-        forces = -torch.autograd.grad(energy, wrt, create_graph=True)[0]
+        forces = -torch.autograd.grad(energy, wrt, create_graph=self.create_graph)[0]
         return energy, forces
 
 
@@ -402,3 +402,20 @@ def test_flat_parameter_fields_as_torch_fsdp1():
     for theirs, ours in zip(run_distributed(_flat_parameter_fields, 2, "torch", timeout=60),
                             run_distributed(_flat_parameter_fields, 2, "flatshard", timeout=60)):
         assert ours == theirs
+
+
+def _forces_without_a_graph(rank, world_size) -> str:
+    """A force field evaluated without create_graph (molecular dynamics, inference): the embedding unit its inner
+    backward gathered is freed when that backward ends."""
+    from flatshard import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    net = _ForceField(create_graph=False)
+    net.embed = FSDP(net.embed, device_id=torch.device("cpu"))
+    model = FSDP(net, device_id=torch.device("cpu"))
+    model(torch.randn(5, 3))
+    return str(model._fsdp_wrapped_module.embed._unit_state.handle.state)
+
+
+def test_forces_without_a_graph_leave_no_unit_gathered():
+    assert run_distributed(_forces_without_a_graph, 2, timeout=60) == ["ShardedState.SHARDED"] * 2

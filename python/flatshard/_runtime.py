@@ -640,15 +640,30 @@ def queue_end_of_backward(root: RootState) -> None:
 # must not end the iteration, switch the units' states, reduce or reshard. So while the root's forward
 # runs, a unit's pre-backward only gathers the unit again and hands out fresh views (the graph that
 # create_graph builds saves them for the step's backward); the unit stays unsharded until its
-# post-backward in the step's backward. Gradients of parameters inside the forward (their views'
+# post-backward in the step's backward. Without create_graph nothing keeps them: the units that
+# inner backward gathered are freed when it ends. Gradients of parameters inside the forward (their views'
 # backward running there) are refused by name: they would be reduced in the middle of a forward.
 
 
 def _gather_for_inner_backward(s: UnitState) -> None:
-    if s.handle is not None:
-        views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set)
-        if views is not None:
-            hand_out_views(s, views)
+    if s.handle is None:
+        return
+    views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set)
+    if views is not None:
+        hand_out_views(s, views)
+    if not torch.is_grad_enabled() and _frees_after_forward(s):
+        # Without create_graph no graph keeps the views: the unit is freed when that backward ends (else every unit
+        # it ran through would stay gathered at once).
+        root = s.root
+        if not root.inner_gathered:
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_end_inner_backward, root))
+        root.inner_gathered.append(s)
+
+
+def _end_inner_backward(root: RootState) -> None:
+    gathered, root.inner_gathered = root.inner_gathered, []
+    for s in gathered:
+        reshard(s)
 
 
 def _refuse_backward(s: UnitState) -> None:

@@ -233,6 +233,8 @@ class RootState:
         "post_forward_order",  # units in the order their forward ended (backward prefetch)
         "recompute_order",  # the same, for a rerun of the whole model (see [Note: Recomputation])
         "recomputing",  # the whole model is being rerun
+        "inner_gathered",  # units a backward inside the forward gathered, to free at its end (see [Note: A backward
+        # inside the forward] in _runtime.py)
         "taken_over",  # another root took some of its units over (see _runtime.lazy_init)
         "shards_on_host",  # the shards were moved to host memory (see [Note: Shards on the host])
         "__weakref__",  # (the exit drain holds roots weakly)
@@ -256,6 +258,7 @@ class RootState:
         self.post_forward_order: list[UnitState] = []
         self.recompute_order: list[UnitState] = []
         self.recomputing = False
+        self.inner_gathered: list[UnitState] = []
         self.taken_over = False
         self.shards_on_host = False
 
