@@ -226,6 +226,8 @@ def separate_runs(tmp_path_factory):
                                              "--api", "fully_shard"]
             small = ["--hf-config", _llama_config(where, *SMALL_LLAMA), "--world-size", "8"]
             runs.update(measured=[*small, "--batch-size", "2", "--seq-len", "64", "--json"], unmeasured=small)
+            config = small[1]
+            runs.update({f"bad_{name}": argv for name, argv in BAD_CLI_INPUTS(config).items()})
         (where / "runs.json").write_text(json.dumps(runs))
         return [sys.executable, CLI_RUNS_SCRIPT, str(where / "runs.json")]
 
@@ -236,6 +238,38 @@ def separate_runs(tmp_path_factory):
         if child.process.returncode is None and child.process.poll() is None:
             child.process.kill()
             child.process.wait()
+
+
+def BAD_CLI_INPUTS(config: str) -> dict[str, list[str]]:  # noqa: N802 - a table, built with the run's config
+    """Bad command lines (issue 34) and, per name, what the one line of the answer must name."""
+    return {
+        "world_size_0": ["--hf-config", config, "--world-size", "0"],
+        "world_size_negative": ["--hf-config", config, "--world-size", "-8"],
+        "hybrid_not_a_multiple": ["--hf-config", config, "--world-size", "12", "--strategy", "HYBRID_SHARD"],
+        "config_missing": ["--hf-config", config + ".missing", "--world-size", "8"],
+        "strategy_unknown": ["--hf-config", config, "--world-size", "8", "--strategy", "ZERO3"],
+        "batch_without_seq_len": ["--hf-config", config, "--world-size", "8", "--batch-size", "2"],
+    }
+
+
+BAD_CLI_ANSWERS = {"world_size_0": "--world-size: expected a number of ranks >= 1 but got 0",
+                   "world_size_negative": "--world-size: expected a number of ranks >= 1 but got -8",
+                   "hybrid_not_a_multiple": "--world-size 12 is not a multiple of --ranks-per-host 8",
+                   "config_missing": "--hf-config: no file at",
+                   "strategy_unknown": "--strategy: expected one of FULL_SHARD",
+                   "batch_without_seq_len": "--batch-size and --seq-len go together"}
+
+
+@pytest.mark.parametrize("name", list(BAD_CLI_ANSWERS))
+def test_cli_answers_a_bad_input_in_one_line(name, separate_runs):
+    """Issue 34: each bad input is refused before anything is built: exit status 2, one line naming the input and
+    the fix, no traceback."""
+    pytest.importorskip("transformers")
+    where = separate_runs["cli"].wait(600).where
+    rc, out, err = ((where / f"bad_{name}.{suffix}").read_text() for suffix in ("rc", "out", "err"))
+    assert rc == "2" and not out, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and BAD_CLI_ANSWERS[name] in lines[0] and "Traceback" not in err, err
 
 
 def _cli(separate_runs, name):

@@ -19,13 +19,47 @@ collectives' time alone.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every bad input is one line naming it and the fix, exit status 2 (argparse's own errors included)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _check(parser: _Parser, args: argparse.Namespace) -> None:
+    """What the arguments alone say is wrong, before anything is built."""
+    if args.world_size < 1:
+        parser.error(f"--world-size: expected a number of ranks >= 1 but got {args.world_size}")
+    if args.strategy not in _STRATEGIES:
+        parser.error(f"--strategy: expected one of {', '.join(_STRATEGIES)} but got {args.strategy!r}")
+    if args.ranks_per_host < 1:
+        parser.error(f"--ranks-per-host: expected >= 1 but got {args.ranks_per_host}")
+    if "HYBRID" in args.strategy and args.world_size % args.ranks_per_host:
+        parser.error(f"--strategy {args.strategy}: --world-size {args.world_size} is not a multiple of "
+                     f"--ranks-per-host {args.ranks_per_host} (hybrid sharding shards within each host's ranks)")
+    if args.api == "fully_shard" and args.strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
+        parser.error(f"--api fully_shard: --strategy {args.strategy} has no fully_shard equivalent (FULL_SHARD, "
+                     f"SHARD_GRAD_OP: reshard_after_forward=False, HYBRID_SHARD: a 2-D mesh)")
+    if (args.batch_size is None) != (args.seq_len is None):
+        parser.error("--batch-size and --seq-len go together (one rank's batch)")
+    if args.batch_size is not None and (args.batch_size < 1 or args.seq_len < 1):
+        parser.error(f"--batch-size and --seq-len: expected >= 1 but got {args.batch_size} and {args.seq_len}")
+    if not os.path.isfile(args.hf_config):
+        parser.error(f"--hf-config: no file at {args.hf_config} (give the path of a model's config.json; nothing "
+                     f"is downloaded)")
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flatshard.plan", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m flatshard.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-config", required=True, help="an HF model config.json (nothing is downloaded)")
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--strategy", default="FULL_SHARD",
@@ -50,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="also write a plot: memory per rank against world size for "
                                                        "each strategy, bytes per unit (needs matplotlib)")
     args = parser.parse_args(argv)
+    _check(parser, args)
 
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -76,7 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     activations = compute = None
     if args.batch_size is not None:
         compute_dtype = mixed.param_dtype if mixed is not None else dtypes[args.dtype]
-        activations, compute = _measured_step(config, args.batch_size, args.seq_len, compute_dtype)
+        try:
+            activations, compute = _measured_step(config, args.batch_size, args.seq_len, compute_dtype)
+        except (RuntimeError, MemoryError) as e:  # (the allocator's: a model too large to build here)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            parser.error(f"--batch-size: measuring the activations builds one and two layers of the model for real, "
+                         f"which this machine cannot ({first[:200]}); plan without --batch-size and --seq-len (the "
+                         f"activation term is then left out), or measure on a larger machine")
 
     def plan_at(world_size: int, strategy: ShardingStrategy):
         kwargs = dict(sharding_strategy=strategy, mixed_precision=mixed,
