@@ -102,12 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--wrap: no module of the model is a {', '.join(wrap_names)}")
     mixed = None if args.mixed_precision == "none" else MixedPrecision(
         param_dtype=dtypes[args.mixed_precision], reduce_dtype=dtypes[args.mixed_precision])
-    try:
-        strategy = ShardingStrategy[args.strategy]
-    except KeyError:
-        parser.error(f"--strategy: expected one of {[s.name for s in ShardingStrategy]} but got {args.strategy!r}")
-    if (args.batch_size is None) != (args.seq_len is None):
-        parser.error("--batch-size and --seq-len go together (one rank's batch)")
+    strategy = ShardingStrategy[args.strategy]  # (checked by _check)
     activations = compute = None
     if args.batch_size is not None:
         compute_dtype = mixed.param_dtype if mixed is not None else dtypes[args.dtype]
