@@ -245,13 +245,21 @@ def _lora_reduction_bytes(rank, world_size, prefix: bool) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
+    # Two ranks' reduce-scatter is an exchange of halves, as is their all-gather (see [Note: Two gloo ranks exchange
+    # halves] in csrc/flatshard/collectives.cpp): gloo's events (on its threads, started in the order issued) are
+    # paired in order with flatshard's ranges that issued them, and a reduce-scatter's all-to-all counts as its whole
+    # input (the half it sends, times two).
+    issued = sorted((e["ts"], e["name"].split()[0]) for e in events
+                    if e.get("name", "").split(" ")[0] in ("flatshard::all_gather", "flatshard::reduce_scatter",
+                                                           "flatshard::all_reduce"))
+    wire = sorted((e["ts"], e["name"], e["args"]["Input Dims"][0]) for e in events
+                  if e.get("name", "").startswith("gloo:") and e.get("args", {}).get("Input type")
+                  and e["args"]["Input type"][0] == "float")  # (not the rank-divergence guard's int64 exchanges)
+    assert len(issued) == len(wire), (issued, wire)
     reduced = 0
-    for e in events:
-        if e.get("name") in ("gloo:all_reduce", "gloo:reduce_scatter") and e.get("args", {}).get("Input type"):
-            if e["args"]["Input type"][0] != "float":
-                continue  # the rank-divergence guard's int64 exchange
-            dims = e["args"]["Input Dims"][0]
-            reduced += 4 * (dims[0] if dims else 1)
+    for (_, kind), (_, name, dims) in zip(issued, wire):
+        if kind != "flatshard::all_gather":
+            reduced += 4 * (dims[0] if dims else 1) * (world_size if name == "gloo:all_to_all" else 1)
     return {"reduced": reduced, "trainable": trainable, "whole": whole, "units": len(units)}
 
 

@@ -218,10 +218,11 @@ class _Timeline:
         self.root_forward = sum(_unsharded_bytes(u, copies_to_device) for u in roots)
         self.buffers = [_unsharded_bytes(u, copies_to_device) for u in others]
         gloo = backend == "gloo"
-        # gloo's all-gather writes a flat copy of its output while it runs (see [Note: gloo's temporaries]); the fake
-        # group's makes a view per rank.
-        self.copies = [0 if u.replicated else b if gloo else _collective_scratch(backend, group_size)
-                       for u, b in zip(others, self.buffers)]
+        # gloo's all-gather writes a flat copy of its output while it runs (see [Note: gloo's temporaries]; two ranks
+        # exchange halves straight into it: [Note: Two gloo ranks exchange halves]); the fake group's makes a view per
+        # rank.
+        self.copies = [0 if u.replicated or (gloo and group_size == 2) else b if gloo
+                       else _collective_scratch(backend, group_size) for u, b in zip(others, self.buffers)]
         self.shards = [_grad_shard_bytes(u) for u in others]
         self.root_shards = sum(_grad_shard_bytes(u) for u in roots)
         # A unit's reduction is completed at the next unit's post-backward: its input is held through that unit's
@@ -319,8 +320,10 @@ def _unsharded_grad_bytes(unit: PlannedUnit) -> int:
     return unit.layout.padded_numel * _size(unit.param_dtype) if unit.trainable_numel else 0
 
 
-# gloo's all-reduce (a reduce-scatter on gloo is one, in place) works through a scratch buffer of its input's size over
-# the group's size, at most about 2 MB (measured: 1 MB for 4 MB over 4 ranks, 2 MB for 16 MB over 2 or 4 ranks).
+# gloo's all-reduce (a reduce-scatter on more than two gloo ranks is one, in place) works through a scratch buffer of its
+# input's size over the group's size, at most about 2 MB (measured: 1 MB for 4 MB over 4 ranks, 2 MB for 16 MB over 2 or 4
+# ranks). Two ranks exchange halves instead, straight into the output (see [Note: Two gloo ranks exchange halves] in
+# csrc/flatshard/collectives.cpp): no scratch.
 GLOO_ALL_REDUCE_SCRATCH_CAP = 2_000_000
 
 
@@ -341,7 +344,7 @@ def _reduction_bytes(unit: PlannedUnit, backend: str, group_size: int, scratch_o
     if not unit.trainable_numel or group_size == 1:
         return 0
     nbytes = unit.layout.padded_numel * _size(unit.reduce_dtype)
-    scratch = (min(nbytes // group_size, GLOO_ALL_REDUCE_SCRATCH_CAP) if backend == "gloo"
+    scratch = ((0 if group_size == 2 else min(nbytes // group_size, GLOO_ALL_REDUCE_SCRATCH_CAP)) if backend == "gloo"
                else _collective_scratch(backend, group_size))
     return (0 if unit.replicated or scratch_only else nbytes) + scratch
 
