@@ -93,6 +93,7 @@ def use_grad_views(s: UnitState) -> None:
     fully_shard's)."""
     flat_grad = s.flat_param.grad
     params = s.orig_params
+    s.orig_grads_given = None
     for p in params:
         p.grad = None
     if flat_grad is None:
@@ -104,6 +105,29 @@ def use_grad_views(s: UnitState) -> None:
         p = params[index]
         if p.requires_grad and s.orig_grad_seen[index]:
             set_grad(p, _dtensor_params.grad_of(p, view) if as_dtensor else view)
+    given = [(p.grad, _data_ptr(p.grad, as_dtensor)) for p in params]
+    if any(grad is not None for grad, _ in given):  # (none given: writeback's own check clears the flat gradient)
+        s.orig_grads_given = (flat_grad, given)
+
+
+def _data_ptr(grad: torch.Tensor | None, as_dtensor: bool) -> int:
+    if grad is None:
+        return 0
+    return (_dtensor_params.local_of(grad) if as_dtensor else grad).data_ptr()
+
+
+def _grads_as_given(s: UnitState, flat: torch.Tensor) -> bool:
+    """Whether every parameter's ``.grad`` is still what ``use_grad_views`` gave it, on the same memory, and the flat
+    gradient the same: what was done to them since was done in place, on the flat gradient (the common case, an
+    optimizer's step and in-place clipping: writeback's check per parameter costs a fraction of a microsecond)."""
+    given = s.orig_grads_given
+    if given is None or flat.grad is not given[0]:
+        return False
+    as_dtensor = s.config.dim0_layout
+    for p, (grad, ptr) in zip(s.orig_params, given[1]):
+        if p.grad is not grad or (grad is not None and _data_ptr(grad, as_dtensor) != ptr):
+            return False
+    return True
 
 
 def set_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
@@ -138,6 +162,9 @@ def write_back_grads(s: UnitState) -> None:
     """The gradient half of ``writeback``: gradients set to None clear the gradient shard, replaced ones are copied
     into it."""
     flat = s.flat_param
+    if _grads_as_given(s, flat):
+        return
+    s.orig_grads_given = None
     grads = [p.grad for p in s.orig_params]
     if all(g is None for g in grads):
         if flat.grad is not None:  # zero_grad(set_to_none=True)
