@@ -397,7 +397,12 @@ def test_activation_profile_follows_the_backward():
     assert 0 < profile.forward <= profile.peak and profile.host_scale >= 1.0
     blocks = [[n for n in names if n.startswith(f"blocks.{i}.")] for i in range(2)]
     acts = profile.at_units(blocks)
-    assert acts.starting[1] == profile.backward_start and acts.left[0] < acts.left[1] < acts.starting[1]
+    assert acts.left[0] < acts.left[1] < acts.starting[1]
+    # where each module's backward began: the root's first (its output is the logits), the last block's before the
+    # first's, each before its own first gradient's mark
+    began = {name: (segment, piece) for name, segment, piece in profile.pre_backward}
+    assert began[""] <= began["blocks.1"] < began["blocks.0"], began
+    assert began["blocks.0"][0] <= profile.grad_order.index(blocks[0][-1]), began
     with torch.device("meta"):
         meta = make_gpt()
     kwargs = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), backend="fake", device="cuda")
@@ -408,47 +413,57 @@ def test_activation_profile_follows_the_backward():
 
 
 def test_activation_profile_maps_onto_units_in_any_order():
-    """``ActivationProfile.at_units`` by hand: windows between each unit's last gradient in backward order; a unit
-    whose gradients all came before the units after it (an embedding made last but registered after the blocks)
-    holds none of its own there and shifts no other unit's window; names the profile never saw are an error."""
+    """``ActivationProfile.at_units`` by hand ([Note: A unit's backward in the profile]): a unit's backward spans from
+    its first gradient to its last in backward order; what comes before it since the last unit's is the root's (a gap:
+    the head's gradient there, the root's, counted from when it is made); a unit whose gradients all came before the
+    units after it (an embedding made last but listed after the blocks) holds none of its own there and shifts no other
+    unit's window; names the profile never saw are an error."""
     from flatshard.plan import ActivationProfile
 
     # backward order: head (root's), b1.w, b1.b, b0.w, emb; segments between the gradients
     profile = ActivationProfile(peak=100, forward=90, grad_order=("head", "b1.w", "b1.b", "b0.w", "emb"),
                                 grad_bytes=(1, 2, 3, 4, 5), segments=(95, 80, 70, 60, 40, 20),
                                 at_grads=(85, 75, 65, 45, 10), backward_start=88)
-    acts = profile.at_units([["b0.w"], ["b1.w", "b1.b"]])
-    # b1 (first in backward): segments 0-2, its gradients counted as made; b0: segment 3; then the root's own ("emb")
-    assert acts.starting == [65, 88] and acts.left == [45, 65] and acts.after == 40
-    assert acts.computing == [(4, 60), (0, 95)]
-    # A unit listed after the blocks whose gradient is made last ("emb"): its window takes the whole backward, and the
-    # blocks, whose gradients came before it, hold none of their own (no index past the end, no shifted windows).
+    acts = profile.at_units([["b0.w"], ["b1.w", "b1.b"]], root_params=["head", "emb"])
+    # Without allocations a gradient is made at its mark, a unit's backward begins there: the gap before b1 is segment
+    # 0 (the head's gradient made at its end) and the start of segment 1; b1 holds the rest of 1 and segment 2; the
+    # gap before b0 the start of segment 3, b0 the rest; then the root's own ("emb")
+    assert acts.gaps == [(1, 60), (1, 95)] and acts.root_at_start == [1, 1] and acts.root_at_end == [1, 1]
+    assert acts.starting == [60, 80] and acts.left == [45, 65] and acts.after == 40
+    assert acts.computing == [(4, 60), (2, 80)]
+    # Without the root's names its gradients are not counted here (the plan then counts them whole).
+    assert profile.at_units([["b0.w"], ["b1.w", "b1.b"]]).gaps == [(0, 60), (0, 95)]
+    # A unit listed after the blocks whose gradient is made last ("emb"): its window begins after the blocks', which
+    # hold none of their own (no index past the end, no shifted windows).
     acts = profile.at_units([["b0.w"], ["b1.w", "b1.b"], ["emb"]])
-    assert acts.computing[2] == (0, 95) and acts.left[2] == 10 and acts.left[:2] == [20, 20] and acts.after == 20
+    assert acts.computing[2] == (5, 40) and acts.left[2] == 10 and acts.left[:2] == [20, 20] and acts.after == 20
     with pytest.raises(ValueError, match=r"no gradient of the unit holding '_orig_mod.b0.w'"):
         profile.at_units([["_orig_mod.b0.w"]])
 
 
-def test_activation_profile_counts_gradients_from_their_allocation():
-    """A layer's weight gradient is computed (with its kernel's scratch) before autograd hands the layer's bias
-    gradient to ``.grad``: a unit's own gradients count from their allocation (``segment_steps``), not
-    from their marks; one allocated before the unit's first segment from its start; another unit's (the root's
-    head) not at all; on the host the activations scale by ``host_scale``, a kernel's scratch does not."""
+def test_activation_profile_begins_a_units_backward_at_its_pre_backward():
+    """A unit's backward begins where the gradient of its output comes in (its pre-backward, marked by the profile),
+    not at its first gradient: a head of its own is gathered after the loss's backward, not during it; with FULL_SHARD
+    the first unit in backward is gathered from the root's pre-backward (the start of backward when the model computes
+    the loss)."""
     from flatshard.plan import ActivationProfile
 
-    # backward order: head (the root's), b1.b, b1.w, b0.w; segments 0-4 around their marks
-    base = dict(peak=60, forward=50, grad_order=("head", "b1.b", "b1.w", "b0.w"), grad_bytes=(100, 1, 10, 4),
-                segments=(45, 40, 39, 30, 20), at_grads=(44, 40, 35, 20), backward_start=45)
-    units = [["b0.w"], ["b1.w", "b1.b"]]
-    marked = ActivationProfile(**base).at_units(units)
-    assert marked.computing == [(4, 30), (11, 39)]  # each gradient from its mark on
-    # allocated: head in segment 0, b1.b and b1.w in 1 (b1.w's kernel holding 8 of scratch then), b0.w in 2
-    steps = (((-1, 45, 0), (0, 44, 0)), ((-1, 40, 0), (1, 40, 0), (2, 42, 8)), ((-1, 39, 0), (3, 35, 0)),
-             ((-1, 30, 0),), ((-1, 20, 0),))
-    made = ActivationProfile(**base, segment_steps=steps)
-    assert made.at_units(units).computing == [(4, 30), (11, 50)]
-    scaled = dataclasses.replace(made, host_scale=2.0).at_units(units, on_host=True)
-    assert scaled.computing == [(4, 60), (11, 92)]  # 2 x 42 + 8
+    # backward order: head.w, b0.w, emb; the loss's backward (50) before the head's pre-backward, in segment 0
+    steps = (((-1, 50, 0), (-1, 30, 0), (0, 31, 0)), ((-1, 20, 0), (1, 21, 0)), ((-1, 10, 0), (2, 10, 0)),
+             ((-1, 5, 0),))
+    base = dict(peak=50, forward=40, grad_order=("head.w", "b0.w", "emb"), grad_bytes=(8, 4, 2),
+                segments=(50, 21, 10, 5), at_grads=(31, 21, 10), backward_start=40, segment_steps=steps)
+    units, names = [["b0.w"], ["head.w"]], ["b0", "head"]
+    loss_outside = ActivationProfile(**base, pre_backward=(("", 0, 1), ("head", 0, 1), ("b0", 1, 0)))
+    acts = loss_outside.at_units(units, root_params=["emb"], unit_names=names)
+    assert acts.gaps_ungathered[1] == (0, 50) and acts.gaps[1] == (0, 0)  # the loss's backward: the head not gathered
+    assert acts.starting[1] == 30 and acts.computing[1] == (8, 31)
+    loss_inside = ActivationProfile(**base, pre_backward=(("", 0, 0), ("head", 0, 1), ("b0", 1, 0)))
+    acts = loss_inside.at_units(units, root_params=["emb"], unit_names=names)
+    assert acts.gaps_ungathered[1] == (0, 0) and acts.gaps[1] == (0, 50)  # gathered from the root's pre-backward
+    # Without the marks: from the first gradient's allocation (the loss's backward a gap, the head gathered in it).
+    acts = ActivationProfile(**base).at_units(units, root_params=["emb"], unit_names=names)
+    assert acts.gaps[1] == (0, 50) and acts.computing[1] == (8, 31)
 
 
 def test_activation_profile_counts_a_kernels_own_memory_on_a_cpu():

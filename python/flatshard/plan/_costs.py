@@ -20,6 +20,8 @@ Inside ``no_sync()`` the reductions wait for the first backward outside it.
 Between steps: every unit's shard (the parameters' dtype) and the optimizer's per-element state
 (Adam: two tensors the shard's size; SGD with momentum: one), on the host with ``CPUOffload``.
 A step is then walked point by point (``_Timeline``), and the peak is the highest point:
+- units in the order they run (from the activation profile, see [Note: A unit's backward in the profile];
+  registration order without one);
 - forward: the root's unsharded buffer (it stays unsharded until the end of backward), with
   FULL_SHARD the current unit's and the prefetched one's (the limiter lets two all-gathers be
   in flight), with SHARD_GRAD_OP every unit's so far; the activations at their highest in forward;
@@ -37,6 +39,11 @@ A step is then walked point by point (``_Timeline``), and the peak is the highes
     activations left;
   (activations measured unit by unit, [Note: Activations unit by unit], or a unit's share freed
   evenly over its backward with its gradients all made at the worst point);
+- before each unit's backward, what the root's own backward holds since the last unit's (the loss's and the
+  head's): the root's gradients made by then, the unit gathered (FULL_SHARD's first one only from the
+  root's pre-backward on);
+  the root's gradients count from their allocation on throughout (from the start of backward without a
+  profile);
 - the optimizer's step: every gradient shard and its temporaries (Adam: two the size of what it
   updates at once, every shard with ``foreach``, torch's default on GPUs; one shard at a time,
   a third, the previous shard's, is still alive).
@@ -199,20 +206,27 @@ class _Timeline:
                  activations: int | ActivationProfile | None, group_size: int, on_host: bool = False) -> None:
         roots = [u for u in units if u.is_root]
         others = [u for u in units if not u.is_root]
+        trainable_names = [u.param_names if u.trainable_numel else () for u in others]
+        if isinstance(activations, ActivationProfile):  # the order the units run in (registration order otherwise)
+            order = activations.run_order(trainable_names)
+            others, trainable_names = [others[i] for i in order], [trainable_names[i] for i in order]
         self.n = len(others)
         # Per unit: its own autograd gradients while its backward computes, the flat gradient its post-backward makes
         # (after resharding its parameters) and the cast to reduce_dtype.
         self.autograd = [_autograd_grad_bytes(u) for u in others]
         self.flat = [_flat_grad_bytes(u) for u in others]
         if isinstance(activations, ActivationProfile):
-            self.acts = activations.at_units([u.param_names if u.trainable_numel else () for u in others],
-                                             on_host=on_host)
+            self.acts = activations.at_units(trainable_names, on_host=on_host,
+                                             root_params=[n for u in roots if u.trainable_numel for n in u.param_names],
+                                             unit_names=[u.name for u in others])
         else:
-            self.acts = UnitActivations.even(activations or 0, self.autograd)
+            self.acts = UnitActivations.even(activations or 0, self.autograd,
+                                             sum(_autograd_grad_bytes(u) for u in roots))
         self.forward_activations = self.acts.forward
-        # The root: unsharded and its autograd gradients appearing through backward (counted whole); its flat gradient,
-        # cast and reduction at its own post-backward, the last point.
-        self.root = sum(_unsharded_bytes(u, copies_to_device) + _autograd_grad_bytes(u) for u in roots)
+        # The root: unsharded from its forward to its post-backward, its autograd gradients as they are made (the
+        # head's before the blocks', the embedding's last: self.acts.root_at_*; all of them from the start of backward
+        # without a profile); its flat gradient, cast and reduction at its own post-backward, the last point.
+        self.root = sum(_unsharded_bytes(u, copies_to_device) for u in roots)
         self.root_post = sum(_autograd_grad_bytes(u) + _flat_grad_bytes(u) + _cast_bytes(u) + _shard_output_bytes(u)
                              for u in roots)
         self.root_forward = sum(_unsharded_bytes(u, copies_to_device) for u in roots)
@@ -271,14 +285,24 @@ class _Timeline:
             reduced = sum(self.shards[i + 1:]) if grads_on_device else 0  # units after i reduced already
             # what earlier micro-batches left unreduced (unit i's own gradient accumulates into it)
             held = sum(self.held[:i + 1]) + self.root_held
+            # Before the unit's backward, since the last unit's: the root's own (the loss's and the head's, for an LM
+            # wrapped by its layers), with the unit gathered (prefetched; the first by the root's pre-backward), not yet
+            # the one after it.
+            gap_root_grads, gap_acts = self.acts.gaps[i]
+            points.append((self.root + gap_root_grads + b[i] + (before if not self.resharding else 0)
+                           + self.pending[i] + reduced + held, gap_acts))
+            gap_root_grads, gap_acts = self.acts.gaps_ungathered[i]  # (FULL_SHARD's first unit, not yet gathered)
+            points.append((self.root + gap_root_grads + (0 if self.resharding else b[i] + before)
+                           + self.pending[i] + reduced + held, gap_acts))
             base = self.root + b[i] + before + self.pending[i] + reduced + held
-            points.append((base + scratch, self.acts.starting[i]))
+            points.append((base + self.acts.root_at_start[i] + scratch, self.acts.starting[i]))
             grads, acts = self.acts.computing[i]
-            points.append((base + grads + (scratch if self.copy_outlives_call else 0), acts))
+            points.append((base + self.acts.root_at_start[i] + grads + (scratch if self.copy_outlives_call else 0),
+                           acts))
             # post-backward: the previous reduction completed (not by a frozen unit), the parameters resharded, then the
             # flat gradient, its cast, the reduction's output shard and scratch
-            post = (self.root + before + reduced + held + (scratch if self.copy_outlives_call else 0)
-                    + (0 if self.trainable[i] else self.pending[i]))
+            post = (self.root + self.acts.root_at_end[i] + before + reduced + held
+                    + (scratch if self.copy_outlives_call else 0) + (0 if self.trainable[i] else self.pending[i]))
             if self.trainable[i]:
                 post += (max(self.held[i], self.flat[i]) - self.held[i] + self.autograd[i] + self.cast[i]
                          + self.shard_out[i] + self.reducing_scratch[i])
