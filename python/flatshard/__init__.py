@@ -9,27 +9,71 @@ and for torch's FSDP2 (``torch.distributed.fsdp.fully_shard``)::
     from flatshard import fully_shard
 """
 
-import torch  # noqa: F401  (loads libc10/libtorch before the extension)
+from __future__ import annotations
 
-from flatshard import _C, api, wrap  # noqa: F401  (flatshard._C: the runtime, for tests and tools)
-from flatshard.api import *  # noqa: F401,F403  (torch's enums and configs, see api.py)
-from flatshard._rank_guard import RankDivergenceError
-from flatshard._stall_watch import PeerGoneError, ProcessGroupGivenUpError
-from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
-from flatshard._fully_shard import FSDPModule, fully_shard
-from flatshard._full_params import summon_full_params as _summon_full_params
-from flatshard._host_offload import move_shards_to_device, move_shards_to_host
-from flatshard._torch_facade import opt_in as _as_torch
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# [Note: A lazy import]
+# ``import flatshard`` loads nothing but this file: torch and the runtime load with the first name used
+# (``flatshard.FullyShardedDataParallel``, ``from flatshard import fully_shard``, ``flatshard._C``, ...), through
+# the module's ``__getattr__``. So ``python -m flatshard.plan`` answers a bad argument in a fraction of a second, before
+# torch (2.7 s here) and torch's FSDP (1.3 s more) are imported, and a tool that imports flatshard to read its version
+# pays nothing. Every public name resolves as before; ``FLATSHARD_AS_TORCH_FSDP=1`` still installs the opt-in at
+# ``import flatshard`` (it needs torch: see the end of this file).
+
+# Public name: the module it lives in (loaded on first use).
+_LAZY = {
+    **{name: "flatshard.api" for name in (
+        "BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig",
+        "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision", "ShardedOptimStateDictConfig",
+        "ShardedStateDictConfig", "ShardingStrategy", "StateDictSettings", "StateDictType")},  # (api.__all__: tested)
+    "RankDivergenceError": "flatshard._rank_guard",
+    "PeerGoneError": "flatshard._stall_watch",
+    "ProcessGroupGivenUpError": "flatshard._stall_watch",
+    "FullyShardedDataParallel": "flatshard.fully_sharded_data_parallel",
+    "FSDP": "flatshard.fully_sharded_data_parallel",
+    "FSDPModule": "flatshard._fully_shard",
+    "fully_shard": "flatshard._fully_shard",
+    "move_shards_to_device": "flatshard._host_offload",
+    "move_shards_to_host": "flatshard._host_offload",
+}
+
+if TYPE_CHECKING:  # (what the names are, for type checkers and editors)
+    from flatshard import _C, api, plan, wrap  # noqa: F401
+    from flatshard._fully_shard import FSDPModule, fully_shard  # noqa: F401
+    from flatshard._host_offload import move_shards_to_device, move_shards_to_host  # noqa: F401
+    from flatshard._rank_guard import RankDivergenceError  # noqa: F401
+    from flatshard._stall_watch import PeerGoneError, ProcessGroupGivenUpError  # noqa: F401
+    from flatshard.api import *  # noqa: F401,F403
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel  # noqa: F401
+    from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP  # noqa: F401
 
 
-def __getattr__(name: str):
-    """``flatshard.plan`` (the planner: a package that is called to plan) loads when first used, not with
-    ``import flatshard``: a training process never needs it."""
-    if name == "plan":
-        import importlib
+def __getattr__(name: str) -> Any:
+    """The public names and the submodules, loaded when first used (see [Note: A lazy import])."""
+    module = _LAZY.get(name)
+    if module is not None:
+        import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
-        return importlib.import_module("flatshard.plan")
-    raise AttributeError(f"module 'flatshard' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), "FullyShardedDataParallel" if name == "FSDP" else name)
+    elif name.startswith("__"):
+        raise AttributeError(f"module 'flatshard' has no attribute {name!r}")
+    else:
+        if name != "plan":
+            import torch  # noqa: F401,F811
+        try:
+            value = importlib.import_module(f"flatshard.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"flatshard.{name}":
+                raise
+            raise AttributeError(f"module 'flatshard' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def summon_full_params(module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
@@ -48,29 +92,44 @@ def install_as_torch_fsdp() -> None:
     flatshard, whatever the import order; a call that still reaches torch's ``fully_shard`` warns once.
     ``FLATSHARD_AS_TORCH_FSDP=1`` in the environment does this at interpreter start (every ``torchrun`` /
     ``accelerate launch`` worker). See "Using it with frameworks" in the README and [Note: flatshard as torch's FSDP]."""
-    _as_torch.install()
+    _opt_in().install()
 
 
 def uninstall_as_torch_fsdp() -> None:
     """Undoes ``install_as_torch_fsdp``: torch's class and helpers are torch's again."""
-    _as_torch.uninstall()
+    _opt_in().uninstall()
 
 
 def is_active() -> bool:
     """Whether torch's FSDP1 class and ``fully_shard`` give flatshard's in this process (``install_as_torch_fsdp``
     or ``FLATSHARD_AS_TORCH_FSDP=1``)."""
-    return _as_torch.is_active()
+    return _opt_in().is_active()
 
 
-FSDP = FullyShardedDataParallel
+def _opt_in() -> Any:
+    import torch  # noqa: F401
 
-if _as_torch.environment_asks():  # (when flatshard was what imported torch, the startup hook left it to here)
-    _as_torch.install(reason=f"{_as_torch.ENV_VAR}=1")
+    return importlib.import_module("flatshard._torch_facade.opt_in")
+
+
+def _summon_full_params(*args: Any) -> Any:
+    from flatshard._full_params import summon_full_params as summon
+
+    return summon(*args)
+
+
+def _environment_asks() -> bool:  # (as flatshard._torch_facade.opt_in.environment_asks, without importing torch)
+    import os
+
+    return os.environ.get("FLATSHARD_AS_TORCH_FSDP", "").strip().lower() not in ("", "0", "false", "no", "off")
+
 
 __version__ = "0.1.0"
 
-__all__ = [*api.__all__, "FSDP", "FSDPModule", "FullyShardedDataParallel", "PeerGoneError", "ProcessGroupGivenUpError",
-           "RankDivergenceError", "fully_shard",
-           "install_as_torch_fsdp",
-           "is_active", "move_shards_to_device", "move_shards_to_host", "plan", "summon_full_params",
-           "uninstall_as_torch_fsdp", "wrap"]
+__all__ = [*(name for name, module in _LAZY.items() if module == "flatshard.api"), "FSDP", "FSDPModule",
+           "FullyShardedDataParallel", "PeerGoneError", "ProcessGroupGivenUpError", "RankDivergenceError", "fully_shard",
+           "install_as_torch_fsdp", "is_active", "move_shards_to_device", "move_shards_to_host", "plan",
+           "summon_full_params", "uninstall_as_torch_fsdp", "wrap"]
+
+if _environment_asks():  # (when flatshard was what imported torch, the startup hook left it to here)
+    _opt_in().install(reason="FLATSHARD_AS_TORCH_FSDP=1")

@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
@@ -84,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="also write a plot: memory per rank against world size for "
                                                        "each strategy, bytes per unit (needs matplotlib)")
     args = parser.parse_args(argv)
-    _check(parser, args)
+    _check(parser, args)  # (before torch is imported: one line, in a fraction of a second)
+
+    import torch
 
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -153,6 +157,7 @@ def _measured_step(config, batch: int, seq: int, dtype: torch.dtype) -> tuple[in
     loss, is in both), extrapolated per layer."""
     import copy
 
+    import torch
     from transformers import AutoModelForCausalLM
 
     from flatshard.plan import measure_activations, measure_compute
