@@ -12,6 +12,7 @@ and for torch's FSDP2 (``torch.distributed.fsdp.fully_shard``)::
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 # [Note: A lazy import]
@@ -19,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 # (``flatshard.FullyShardedDataParallel``, ``from flatshard import fully_shard``, ``flatshard._C``, ...), through
 # the module's ``__getattr__``. So ``python -m flatshard.plan`` answers a bad argument in a fraction of a second, before
 # torch (2.7 s here) and torch's FSDP (1.3 s more) are imported, and a tool that imports flatshard to read its version
-# pays nothing. Every public name resolves as before; ``FLATSHARD_AS_TORCH_FSDP=1`` still installs the opt-in at
-# ``import flatshard`` (it needs torch: see the end of this file).
+# pays nothing. Every public name resolves as before; ``import flatshard._C`` imports torch first (a finder, at the end
+# of this file); ``FLATSHARD_AS_TORCH_FSDP=1`` installs the opt-in when torch is imported, or at once if it was.
 
 # Public name: the module it lives in (loaded on first use).
 _LAZY = {
@@ -131,5 +132,24 @@ __all__ = [*(name for name, module in _LAZY.items() if module == "flatshard.api"
            "install_as_torch_fsdp", "is_active", "move_shards_to_device", "move_shards_to_host", "plan",
            "summon_full_params", "uninstall_as_torch_fsdp", "wrap"]
 
-if _environment_asks():  # (when flatshard was what imported torch, the startup hook left it to here)
-    _opt_in().install(reason="FLATSHARD_AS_TORCH_FSDP=1")
+class _TorchBeforeTheExtension:
+    """A meta-path finder that imports torch before ``import flatshard._C`` loads the extension (which needs
+    libtorch loaded; ``flatshard._C`` through this module's ``__getattr__`` does the same): it finds nothing itself."""
+
+    @staticmethod
+    def find_spec(fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname == "flatshard._C":
+            import torch  # noqa: F401
+
+
+if not any(isinstance(finder, type) and finder.__name__ == "_TorchBeforeTheExtension" for finder in sys.meta_path):
+    sys.meta_path.insert(0, _TorchBeforeTheExtension)  # type: ignore[arg-type]
+
+if _environment_asks():
+    if "torch" in sys.modules:  # (imported before flatshard: the startup hook could not find flatshard complete)
+        _opt_in().install(reason="FLATSHARD_AS_TORCH_FSDP=1")
+    else:  # installs as soon as torch is imported (what the site-packages startup hook does; see _flatshard_startup)
+        try:
+            import _flatshard_startup  # noqa: F401
+        except ImportError:  # (not installed: flatshard run from a source tree) now, then
+            _opt_in().install(reason="FLATSHARD_AS_TORCH_FSDP=1")

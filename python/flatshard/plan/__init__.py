@@ -22,9 +22,19 @@ _LAZY = {
     "Network": "flatshard.plan._timing",
     "StepTime": "flatshard.plan._timing",
     "measure_compute": "flatshard.plan._timing",
+    "NETWORKS": "flatshard.plan._timing",
+    "step_time": "flatshard.plan._timing",
     "Plan": "flatshard.plan._plan",
     "plan": "flatshard.plan._plan",
+    "RankMemory": "flatshard.plan._costs",
+    "UnitTraffic": "flatshard.plan._costs",
+    "rank_memory": "flatshard.plan._costs",
+    "unit_traffic": "flatshard.plan._costs",
+    "PlannedUnit": "flatshard.plan._units",
+    "planned_units": "flatshard.plan._units",
 }
+
+_SUBMODULES = ("_activations", "_costs", "_kernel_scratch", "_plan", "_plot", "_timing", "_units")
 
 __all__ = ["INFINIBAND", "NVLINK", "ActivationProfile", "Network", "Plan", "StepTime", "measure_activations",
            "measure_compute", "plan", "profile_activations"]
@@ -36,12 +46,16 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    """The names above, and the submodules (``flatshard.plan._costs``), loaded when first used."""
     module = _LAZY.get(name)
-    if module is None:
+    if module is None and (name.startswith("__") or name not in _SUBMODULES):
         raise AttributeError(f"module 'flatshard.plan' has no attribute {name!r}")
     import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
-    value = getattr(importlib.import_module(module), name)
+    if module is None:
+        value = importlib.import_module(f"flatshard.plan.{name}")
+    else:
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -4,28 +4,7 @@
 What a model's forward saves for its backward depends on the model's code, the batch and the
 dtype, not on flatshard: so the plan takes it from a measured step rather than a formula.
 ``measure_activations(model, loss_fn)`` runs ``loss_fn(model).backward()`` twice on the model
-(three times on a CPU: [Note: A unit's backward in the profile]
-What sets a language model's peak is the loss and the head: a vocabulary of 128k tokens beside a width of
-4096 makes the logits and their gradient larger than a decoder layer's buffers. Where those run in
-backward decides what is held beside them, so the plan follows the profiled step, not the module tree:
-- units run in the order the profile's gradients say (``run_order``: the reverse of the order their last
-  gradients are made), not the order they were registered in (a head registered before the layers runs last);
-- a unit's backward begins at its pre-backward, where the first gradient of its outputs comes in (the profile
-  marks it for every module with a hook on its outputs; without the mark, where its first gradient is
-  allocated), and ends at its last gradient's mark. What runs between one unit's backward and the next's
-  (the loss's backward and the head's, for a root holding the head) is the root's own: a gap, held with the
-  next unit gathered (its prefetch) but not its gradients;
-- with FULL_SHARD the first unit in backward is gathered at the root's pre-backward: at the start of backward
-  when the model computes its loss (its output is the loss), after the loss's backward when the loss is
-  computed outside it; before that it is not held (``gaps_ungathered``);
-- the root's gradients count from their allocation on (``root_params``: the head's made first, the embedding's
-  last), not from the start of backward.
-Measured on HF Llama models with a 4096-token vocabulary at 64 wide (tests/scripts/plan_memory_lm_cases.py: tied
-and untied, the head registered first, embedding and head in the root or units of their own, the loss inside the
-model or outside) under the fake process group at W = 8 and 64: within 4% of the measured peak in every case,
-where registration order and the root's gradients counted whole planned up to 1.33x.
-
-[Note: The autograd graph in host memory]) as it is (unwrapped, on the device it is on; cast to the compute dtype first when one is
+(three times on a CPU: [Note: The autograd graph in host memory]) as it is (unwrapped, on the device it is on; cast to the compute dtype first when one is
 given, as mixed precision computes), the first to let once-only allocations happen, and
 returns the highest point of the second, above what was held before it, of the bytes that are
 not gradients (the plan counts gradients itself, unit by unit as they are reduced): what the
@@ -45,14 +24,35 @@ and each block's as its backward ends (by a tenth for the tests' GPT under the f
 ``profile_activations`` measures the same step with a mark at each parameter's gradient
 (a post-accumulate-grad hook, a profiler range named after the parameter), and keeps, between
 consecutive marks, the highest point of the non-gradient bytes. The plan maps each unit to its
-parameters' names: a unit's backward spans from the previous unit's last gradient (in backward
-order; the first from the start of backward) to its own last, and the activations it holds
+parameters' names: a unit's backward spans from its pre-backward (see [Note: A unit's backward in
+the profile]) to its own last gradient, and the activations it holds
 there are the highest point within that span, beside the unit's gradients made by then (each
 counted from its allocation, not its mark: autograd computes a layer's weight gradient, and
 with it the kernel's scratch, before it hands the layer's bias gradient to ``.grad``, whose mark
 comes first); what comes after the last unit's (the root's
 own backward) is held at the root's reduction. Forward holds the highest point before backward
 starts. A bare number (``measure_activations``, the CLI's extrapolation) is spread evenly instead.
+
+[Note: A unit's backward in the profile]
+What sets a language model's peak is the loss and the head: a vocabulary of 128k tokens beside a width of
+4096 makes the logits and their gradient larger than a decoder layer's buffers. Where those run in
+backward decides what is held beside them, so the plan follows the profiled step, not the module tree:
+- units run in the order the profile's gradients say (``run_order``: the reverse of the order their last
+  gradients are made), not the order they were registered in (a head registered before the layers runs last);
+- a unit's backward begins at its pre-backward, where the first gradient of its outputs comes in (the profile
+  marks it for every module with a hook on its outputs; without the mark, where its first gradient is
+  allocated), and ends at its last gradient's mark. What runs between one unit's backward and the next's
+  (the loss's backward and the head's, for a root holding the head) is the root's own: a gap, held with the
+  next unit gathered (its prefetch) but not its gradients;
+- with FULL_SHARD the first unit in backward is gathered at the root's pre-backward: at the start of backward
+  when the model computes its loss (its output is the loss), after the loss's backward when the loss is
+  computed outside it; before that it is not held (``gaps_ungathered``);
+- the root's gradients count from their allocation on (``root_params``: the head's made first, the embedding's
+  last), not from the start of backward.
+Measured on HF Llama models with a 4096-token vocabulary at 64 wide (tests/scripts/plan_memory_lm_cases.py: tied
+and untied, the head registered first, embedding and head in the root or units of their own, the loss inside the
+model or outside) under the fake process group at W = 8 and 64: within 4% of the measured peak in every case,
+where registration order and the root's gradients counted whole planned up to 1.33x.
 
 [Note: The autograd graph in host memory]
 The profiler sees tensors only. Autograd's graph, a node and its saved-variable records per
@@ -211,8 +211,9 @@ class ActivationProfile:
         keys: list[float] = []
         for names in unit_params:
             seen = [position[name] for name in names if name in position]
-            keys.append(max(seen) if seen else (keys[-1] - 0.5 if keys else float("inf")))
-        return sorted(range(len(unit_params)), key=lambda i: -keys[i])
+            keys.append(max(seen) if seen else (keys[-1] if keys else float("inf")))
+        # (a frozen unit shares the key of the unit registered before it, and comes after it)
+        return sorted(range(len(unit_params)), key=lambda i: (-keys[i], i))
 
 
 @dataclasses.dataclass

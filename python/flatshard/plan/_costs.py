@@ -346,8 +346,9 @@ def _unsharded_grad_bytes(unit: PlannedUnit) -> int:
 
 # gloo's all-reduce (a reduce-scatter on more than two gloo ranks is one, in place) works through a scratch buffer of its
 # input's size over the group's size, at most about 2 MB (measured: 1 MB for 4 MB over 4 ranks, 2 MB for 16 MB over 2 or 4
-# ranks). Two ranks exchange halves instead, straight into the output (see [Note: Two gloo ranks exchange halves] in
-# csrc/flatshard/collectives.cpp): no scratch.
+# ranks). Two ranks reduce-scatter by exchanging halves instead, straight into the output (see [Note: Two gloo ranks
+# exchange halves] in csrc/flatshard/collectives.cpp): no scratch; a replicated unit's or a trainable prefix's
+# all-reduce keeps it.
 GLOO_ALL_REDUCE_SCRATCH_CAP = 2_000_000
 
 
@@ -368,7 +369,8 @@ def _reduction_bytes(unit: PlannedUnit, backend: str, group_size: int, scratch_o
     if not unit.trainable_numel or group_size == 1:
         return 0
     nbytes = unit.layout.padded_numel * _size(unit.reduce_dtype)
-    scratch = ((0 if group_size == 2 else min(nbytes // group_size, GLOO_ALL_REDUCE_SCRATCH_CAP)) if backend == "gloo"
+    exchanged = group_size == 2 and not (unit.replicated or unit.reduces_prefix)  # (an all-reduce otherwise)
+    scratch = ((0 if exchanged else min(nbytes // group_size, GLOO_ALL_REDUCE_SCRATCH_CAP)) if backend == "gloo"
                else _collective_scratch(backend, group_size))
     return (0 if unit.replicated or scratch_only else nbytes) + scratch
 

@@ -33,8 +33,8 @@ it (see _die_with_fork_server), so nothing is left behind.
 [Note: Fast start]
 Importing torch costs seconds; a fresh interpreter per rank per test would pay it
 W times per test. Children are forked from a ``forkserver`` process that imported
-torch, torch.distributed, torch.distributed.fsdp, torch._dynamo, pytest (and flatshard, when
-importable; and what ``preload`` or the ``rank_preload`` ini option adds) but never ran a torch op, so no thread pool or OpenMP state is inherited
+torch, torch.distributed, torch.distributed.fsdp, torch._dynamo, pytest (and flatshard with both
+front-ends and the runtime, when importable; and what ``preload`` or the ``rank_preload`` ini option adds) but never ran a torch op, so no thread pool or OpenMP state is inherited
 (the reason not to ``fork`` the pytest process itself, which does run ops). The fork
 server starts once per test session (~2 s); a call then costs a fork per rank, the
 import of the test module, and the gloo rendezvous: ~0.03 / 0.06 / 0.1 s at world
@@ -194,14 +194,15 @@ def _get_context():
         if _ctx is None:
             ctx = multiprocessing.get_context("forkserver")
             preload = list(_PRELOAD) + [m for m in _plugin_settings().get("preload", []) if m not in _PRELOAD]
-            # Preload flatshard only if it imports cleanly here: the fork server
-            # swallows ImportError but any other exception at preload would kill it.
-            try:
-                importlib.import_module("flatshard")
-            except Exception:  # noqa: BLE001 - not installed or broken: children import it
-                pass
-            else:
-                preload.append("flatshard")
+            # Preload flatshard and its runtime (``import flatshard`` alone loads neither: [Note: A lazy import]),
+            # only if they import cleanly here: the fork server swallows ImportError but any other exception at
+            # preload would kill it.
+            for name in ("flatshard", "flatshard.fully_sharded_data_parallel", "flatshard._fully_shard"):
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - not installed or broken: children import it
+                    break
+                preload.append(name)
             ctx.set_forkserver_preload(preload)
             _ctx = ctx
         return _ctx
