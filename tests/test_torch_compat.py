@@ -419,3 +419,66 @@ def _forces_without_a_graph(rank, world_size) -> str:
 
 def test_forces_without_a_graph_leave_no_unit_gathered():
     assert run_distributed(_forces_without_a_graph, 2, timeout=60) == ["ShardedState.SHARDED"] * 2
+
+
+def _flat_numels_under_summon(rank, world_size, impl) -> list:
+    """What torch's tests read of a flat parameter inside ``summon_full_params`` (issue 35, items 2 and 3): its
+    numel() (less the padding entries of ``_numels_with_padding`` with use_orig_params), for the unit summoned with
+    and without ``recurse``, and for a root whose nested module is ignored."""
+    import warnings
+
+    from models import fsdp_class
+
+    FSDP = fsdp_class(impl)
+    got = []
+    for use_orig_params in (False, True):
+        kwargs = dict(use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+
+        def unpadded(flat):
+            numel = flat.numel()
+            if use_orig_params:
+                numel -= sum(n for n, pad in zip(flat._numels_with_padding, flat._is_padding_mask) if pad)
+            return numel
+
+        for unshard_outer in (False, True):
+            for recurse in (False, True):  # (a fresh model each: torch's takes the first unit summoned as a root)
+                torch.manual_seed(0)
+                model = FSDP(nn.Sequential(FSDP(nn.Linear(5, 5, bias=False), **kwargs), nn.Linear(5, 3, bias=False)),
+                             **kwargs)
+                outer, inner = model._handle.flat_param, model[0]._handle.flat_param
+                with FSDP.summon_full_params(model if unshard_outer else model[0], recurse=recurse):
+                    got.append((use_orig_params, unshard_outer, recurse, outer.numel(), inner.numel(),
+                                unpadded(outer), unpadded(inner)))
+                got.append(("after", outer.numel(), inner.numel()))
+        # torch's test_ignored_modules_nested: a nested unit inside an ignored module
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 5), nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 4)), nn.Linear(4, 2))
+        net[1][1] = FSDP(net[1][1], **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrapped = FSDP(net, ignored_modules=[net[1]], **kwargs)
+        with FSDP.summon_full_params(wrapped):
+            got.append(("ignored", unpadded(wrapped.params[0])))
+        wrapped(torch.ones(2, 3)).sum().backward()  # (and it trains)
+        # torch's test_unshard_singleton_param_writeback (item 5): rank 1's shard of a one-element parameter is padding;
+        # a write there is gathered, and stays after writeback, as on torch's
+        single = FSDP(nn.Linear(1, 1, bias=False), **kwargs)
+        flat = single._handle.flat_param
+        with torch.no_grad():
+            flat[0] = rank + 2
+        with FSDP.summon_full_params(single, writeback=True):
+            got.append(("singleton inside", flat.numel()))
+            with torch.no_grad():
+                flat.zero_()
+        got.append(("singleton after", flat.tolist()))
+    return got
+
+
+def test_the_flat_parameter_is_unsharded_inside_summon_full_params_as_torch():
+    """torch's FSDP1 shows a summoned unit's flat parameter unsharded (unpadded; with use_orig_params padded to the
+    world size, the padding listed in ``_numels_with_padding``) and only the summoned units' with ``recurse=False``;
+    what torch's test_unshard_params_recurse, test_ignored_modules_nested and test_unshard_singleton_param_writeback
+    read (issue 35, items 2, 3 and 5)."""
+    theirs = run_distributed(_flat_numels_under_summon, 2, "torch", timeout=60)
+    ours = run_distributed(_flat_numels_under_summon, 2, "flatshard", timeout=60)
+    assert ours == theirs

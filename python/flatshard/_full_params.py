@@ -145,6 +145,7 @@ class _Summoned:
     has_grad: bool = False  # with_grads and some rank has a gradient (the same on every rank)
     params: list = dataclasses.field(default_factory=list)  # use_orig_params=False: the exposed Parameters
     flat: nn.Parameter | None = None  # use_orig_params=False: the flat parameter, unregistered meanwhile
+    shard: torch.Tensor | None = None  # the flat parameter's own data (its shard), while it shows the full buffer
 
 
 def _expose_full_params(unit: FullyShardedDataParallel, options: _Options) -> _Summoned:
@@ -177,6 +178,12 @@ def _expose_full_params(unit: FullyShardedDataParallel, options: _Options) -> _S
         if gathered_in_place:
             reshard(s)
     summoned.full, summoned.grad = full, grad
+    # The flat parameter shows the full values meanwhile, as torch's FSDP1's does (frameworks and torch's tests read
+    # its numel() there): unpadded (with use_orig_params, where torch pads the flat parameter to the world size, with
+    # that padding: see mark_flat_parameter's _numels_with_padding); its shard comes back at the context's end.
+    summoned.shard = s.flat_param.data
+    layout = handle.layout
+    s.flat_param.data = full[: layout.padded_numel if s.config.use_orig_params else layout.unpadded_numel]
     views = _C.views_of(full, handle.layout)
     grads = _C.views_of(grad, handle.layout) if grad is not None else [None] * len(views)
     for m, attr, _ in s.param_slots:
@@ -229,6 +236,8 @@ def _hide_full_params(summoned: _Summoned, options: _Options) -> None:
     if handle is None:
         return
     flat = summoned.flat if summoned.flat is not None else s.flat_param
+    if summoned.shard is not None:
+        s.flat_param.data = summoned.shard
     if summoned.exposed:
         if s.config.use_orig_params:
             with torch.no_grad():

@@ -325,3 +325,8 @@ def mark_flat_parameter(s: UnitState) -> None:
     flat._padded_unsharded_size = torch.Size([layout.padded_numel])
     flat._sharded_size = flat.size()
     flat._shard_numel_padded = flat.numel() - sum(n for _, _, n in slices.values())
+    # (torch pads a use_orig_params flat parameter to the world size inside it, an entry of its own; flatshard's
+    # padding is at the end either way, outside the unpadded size unless use_orig_params: see _full_params.py)
+    tail = layout.padded_numel - layout.unpadded_numel if s.config.use_orig_params else 0
+    flat._numels_with_padding = numels + ((tail,) if tail else ())
+    flat._is_padding_mask = [False] * len(numels) + ([True] if tail else [])
