@@ -152,9 +152,11 @@ def _load_other_layout(rank, world_size, path):
     with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
         state = {"model": model.state_dict()}
         dcp.load(state, checkpoint_id=path)
-        # The root unit's record names embed.weight first; as if the model had changed since.
-        key = "_flat_param_layout"
-        state["model"][key] = dict(state["model"][key], names=list(reversed(state["model"][key]["names"])))
+        # The root unit's record (in the dict's _metadata, see [Note: Local state dicts]) names embed.weight first; as
+        # if the model had changed since.
+        record = state["model"]._metadata[""]["flatshard_layout"]
+        state["model"]._metadata[""]["flatshard_layout"] = dict(record, names=list(reversed(record["names"])))
+        assert not any(key.endswith("_flat_param_layout") for key in state["model"])  # (torch's keys only)
         with pytest.raises(ValueError, match=r"LOCAL_STATE_DICT for unit '<root>' was saved with another "
                                              r"layout \(names: .*SHARDED_STATE_DICT"):
             model.load_state_dict(state["model"])

@@ -482,3 +482,69 @@ def test_the_flat_parameter_is_unsharded_inside_summon_full_params_as_torch():
     theirs = run_distributed(_flat_numels_under_summon, 2, "torch", timeout=60)
     ours = run_distributed(_flat_numels_under_summon, 2, "flatshard", timeout=60)
     assert ours == theirs
+
+
+def _local_model(impl: str, seed: int):
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from models import fsdp_class
+
+    FSDP = fsdp_class(impl)
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 1, bias=False)))
+    net.register_buffer("steps", torch.tensor([seed], dtype=torch.float32))
+    return FSDP, FSDP(net, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), device_id=torch.device("cpu"))
+
+
+def _full_values(FSDP, model) -> list:
+    with FSDP.summon_full_params(model):
+        return [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
+
+
+def _save_local_state_dict(rank, world_size, impl, path) -> dict:
+    import os
+
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.fsdp import StateDictType
+
+    FSDP, model = _local_model(impl, seed=1)
+    model(torch.randn(2, 3)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        state = model.state_dict()
+    torch.save(state, os.path.join(path, f"{impl}_{rank}.pt"))
+    shards = {k: [(s.metadata.shard_offsets, s.metadata.shard_sizes, s.tensor.tolist()) for s in v.local_shards()]
+              for k, v in state.items() if isinstance(v, ShardedTensor)}
+    return {"keys": list(state), "types": [type(v).__name__ for v in state.values()],
+            "sizes": {k: tuple(v.size()) for k, v in state.items() if isinstance(v, ShardedTensor)},
+            "shards": shards, "full": _full_values(FSDP, model)}
+
+
+def _load_local_state_dict(rank, world_size, impl, path, saved_by) -> list:
+    import os
+
+    from torch.distributed.fsdp import StateDictType
+
+    FSDP, model = _local_model(impl, seed=2)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        model.load_state_dict(torch.load(os.path.join(path, f"{saved_by}_{rank}.pt"), weights_only=False))
+    return _full_values(FSDP, model)
+
+
+def test_local_state_dicts_are_torchs_format_and_interchange(tmp_path):
+    """Issue 35, item 1: a LOCAL_STATE_DICT has torch FSDP1's keys and types (each unit's ``_flat_param`` a 1-D
+    ShardedTensor of its unpadded length, this rank's unpadded part; the buffers) and nothing else, the same shards as
+    torch's (use_orig_params=False: the same layout); one saved by either loads into the other."""
+    path = str(tmp_path)
+    theirs = run_distributed(_save_local_state_dict, 2, "torch", path, timeout=60)
+    ours = run_distributed(_save_local_state_dict, 2, "flatshard", path, timeout=60)
+    for rank in range(2):
+        for field in ("keys", "types", "sizes", "shards"):
+            assert ours[rank][field] == theirs[rank][field], (rank, field, ours[rank][field], theirs[rank][field])
+    for loader, saver in (("flatshard", "torch"), ("torch", "flatshard")):
+        loaded = run_distributed(_load_local_state_dict, 2, loader, path, saver, timeout=60)
+        saved = theirs if saver == "torch" else ours
+        for rank in range(2):
+            assert len(loaded[rank]) == len(saved[rank]["full"])
+            for got, want in zip(loaded[rank], saved[rank]["full"]):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -21,17 +21,21 @@ values describe the same global tensors. Buffers and ignored parameters stay pla
 tensors (the same on every rank); so does a 0-dimensional parameter.
 
 [Note: Local state dicts]
-LOCAL_STATE_DICT keeps flatshard's own layout: per unit, ``<unit path>._flat_param``
-is the flat parameter as a 1-D ShardedTensor (or DTensor, as above) of its unpadded
-length over the shard group (a replicated DTensor where the unit is replicated),
-each rank holding its shard without the padding (as torch's FSDP1 does), and
-``<unit path>._flat_param_layout`` records what the flat order means (the names,
-shapes and dtype of the parameters in it). Loading checks that record against the
-unit and copies the shard in place, without gathering anything. Because the length
-is unpadded and the chunks are ``torch.chunk``'s, DCP can load such a checkpoint at
-another world size, as long as the units hold the same parameters. (torch's FSDP1
-writes no layout record, and lays a unit out with alignment padding when it uses
-original parameters: a LOCAL checkpoint is flatshard's or torch's, not both.)
+LOCAL_STATE_DICT is torch FSDP1's format: per unit, ``<unit path>._flat_param`` is the
+flat parameter as a 1-D ShardedTensor (or DTensor, as above) of its unpadded length over
+the shard group (a replicated DTensor where the unit is replicated), each rank holding
+its shard without the padding, and nothing else beside the buffers. What the flat order
+means (the names, shapes and dtype of the parameters in it: the layout record) rides where
+torch's format has room for it: the unit's entry of the state dict's ``_metadata`` (where
+``nn.Module`` keeps each module's version), under ``flatshard_layout``; ``torch.save`` keeps
+it and ``load_state_dict`` hands it to the unit, which checks it and copies the shard in
+place, without gathering anything, so that a foreign or stale LOCAL dict fails with the
+difference named instead of loading into the wrong parameters. A dict rebuilt without
+``_metadata`` (or read through DCP into a template) is checked by its length only, as torch's
+FSDP1 does. Because the length is unpadded and the chunks are ``torch.chunk``'s, DCP can load
+such a checkpoint at another world size, as long as the units hold the same parameters; and
+without ``use_orig_params`` (where torch's FSDP1 adds no alignment padding) LOCAL dicts load
+into torch's FSDP1 and back (tests/test_torch_compat.py).
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ if TYPE_CHECKING:
     from flatshard._state import UnitState
     from flatshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
-LAYOUT_SUFFIX = "_flat_param_layout"
+LAYOUT_SUFFIX = "_flat_param_layout"  # (a key of flatshard's LOCAL state dicts before 2026-11-28: still read on load)
+LAYOUT_METADATA = "flatshard_layout"  # its place now: the unit's entry of the state dict's _metadata
 
 
 def mesh_of(unit: FullyShardedDataParallel) -> DeviceMesh:
@@ -191,6 +196,7 @@ def sharded_or_local_state_dict(unit: FullyShardedDataParallel, destination: Any
     paths = {id(m): clean_name(path) for path, m in unit.named_modules()}
     managed: set[int] = set()
     local = unit._unit_state.state_dict_type == StateDictType.LOCAL_STATE_DICT
+    records: dict[str, dict[str, Any]] = {}  # LOCAL: each unit's layout record, by its path
     for u in fsdp_modules(unit):  # one unit's full parameters at a time
         if u._unit_state.handle is None:
             continue
@@ -199,7 +205,7 @@ def sharded_or_local_state_dict(unit: FullyShardedDataParallel, destination: Any
             managed.update(id(p) for p in u._unit_state.orig_params)
         if local:
             entries[join(paths[id(u)], FLAT_PARAM)] = local_flat_shard(u, use_dtensor, config.offload_to_cpu)
-            entries[join(paths[id(u)], LAYOUT_SUFFIX)] = layout_record(u._unit_state)
+            records[paths[id(u)]] = layout_record(u._unit_state)
             continue
         with summon_full_params(u, recurse=False, writeback=False, guard_phase=None):
             for m, attr, _ in u._unit_state.param_slots:
@@ -233,7 +239,17 @@ def sharded_or_local_state_dict(unit: FullyShardedDataParallel, destination: Any
     out = destination if destination is not None else collections.OrderedDict()
     for _, name in sorted(enumerate(entries), key=position):
         out[prefix + name] = entries[name]
+    if records:  # see [Note: Local state dicts]
+        if getattr(out, "_metadata", None) is None:
+            out._metadata = collections.OrderedDict()
+        for path, record in records.items():
+            out._metadata.setdefault(metadata_key(prefix, path), {})[LAYOUT_METADATA] = record
     return out
+
+
+def metadata_key(prefix: str, path: str) -> str:
+    """A module's entry in a state dict's ``_metadata``: its full name, as ``nn.Module.state_dict`` writes it."""
+    return (prefix + path).rstrip(".") if path else prefix.rstrip(".")
 
 
 def layout_record(s: UnitState) -> dict[str, Any]:

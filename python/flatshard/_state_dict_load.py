@@ -37,7 +37,8 @@ from flatshard._common import (
 )
 from flatshard._full_params import summon_full_params
 from flatshard._runtime import lazy_init
-from flatshard._sharded_state_dict import LAYOUT_SUFFIX, layout_record, local_dtensor, to_full
+from flatshard._sharded_state_dict import (LAYOUT_METADATA, LAYOUT_SUFFIX, layout_record, local_dtensor,
+                                          metadata_key, to_full)
 from flatshard._state import TrainingState
 from flatshard.api import StateDictType
 
@@ -89,7 +90,10 @@ def prepare_local_load(unit: FullyShardedDataParallel, state_dict: dict[str, Any
             continue
         name = prefix + join(paths[id(u)], FLAT_PARAM)
         value = state_dict.get(name)
-        record = state_dict.pop(prefix + join(paths[id(u)], LAYOUT_SUFFIX), None)
+        record = state_dict.pop(prefix + join(paths[id(u)], LAYOUT_SUFFIX), None)  # (an older flatshard's)
+        if record is None:  # see [Note: Local state dicts]
+            record = (getattr(state_dict, "_metadata", None) or {}).get(metadata_key(prefix, paths[id(u)]),
+                                                                        {}).get(LAYOUT_METADATA)
         if value is u._unit_state.flat_param:  # done by an outer unit
             continue
         if value is None:
