@@ -155,3 +155,49 @@ def test_accelerate_prepare_bf16_accumulate_save_load_as_torch_fsdp1(use_orig_pa
     assert ours["dtypes"] == ["torch.float32"], ours["dtypes"]
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(torchs["losses"]), rtol=0, atol=0,
                                msg=f"bf16-loaded model, upcast: {ours['losses']} vs torch {torchs['losses']}")
+
+
+def _fp16_run(impl, rank, world_size):
+    """accelerate's FSDP1 path with ``mixed_precision="fp16"``: it makes torch's ``ShardedGradScaler`` and steps
+    through it (``acc.backward`` scales, ``opt.step`` unscales, skips on inf, updates the scale)."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    reset_accelerate()
+    set_launcher_environment(rank, world_size)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=1, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                           transformer_layer_cls={LlamaDecoderLayer}))
+    acc = Accelerator(cpu=True, mixed_precision="fp16", fsdp_plugin=plugin)
+    plugin.set_mixed_precision("fp16")
+    force_accelerate_fsdp(acc.state, plugin, full_loads=False)
+    if acc.scaler is None:  # (accelerate makes it only on a GPU: here by hand, as prepare() would there)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        acc.scaler = ShardedGradScaler(device="cpu", init_scale=2.0**10, growth_interval=2)
+        acc.native_amp = True
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 128, (8, 16), generator=g).chunk(world_size)[rank] for _ in range(STEPS)]
+    model = acc.prepare(tiny_llama())
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    out = torch.stack(accelerate_train(acc, model, opt, batches))
+    torch.distributed.all_reduce(out)
+    return {"scaler": type(acc.scaler).__name__, "scale": float(acc.scaler.get_scale()),
+            "losses": (out / world_size).tolist(), "class": getattr(model, "_is_flatshard_unit", False)}
+
+
+def _fp16_both(rank, world_size):
+    from _frameworks import torch_then_flatshard
+
+    return torch_then_flatshard(lambda impl: _fp16_run(impl, rank, world_size))
+
+
+def test_accelerate_fp16_with_sharded_grad_scaler_as_torch_fsdp1():
+    """Issue 35, item 7: fp16 through accelerate's FSDP1 path (its ShardedGradScaler) trains as torch's FSDP1: the
+    same losses and the same scale after the steps, bit for bit."""
+    got = run_distributed(_fp16_both, 2, timeout=280)[0]
+    assert got["torch"]["scaler"] == "ShardedGradScaler" and not got["torch"]["class"] and got["flatshard"]["class"]
+    assert got["flatshard"]["scaler"] == "ShardedGradScaler"
+    assert got["flatshard"]["losses"] == got["torch"]["losses"], got
+    assert got["flatshard"]["scale"] == got["torch"]["scale"] != 2.0**10, got  # (stepped through the scaler: it grew)
