@@ -548,3 +548,51 @@ def test_local_state_dicts_are_torchs_format_and_interchange(tmp_path):
             assert len(loaded[rank]) == len(saved[rank]["full"])
             for got, want in zip(loaded[rank], saved[rank]["full"]):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _peft_adapter_keys(rank, world_size, impl) -> dict:
+    """peft's adapter state dict (what the HF Trainer and accelerate save) of a LoRA model whose ``modules_to_save``
+    sit inside nested units (decoder layers wrapped, use_orig_params), from the FULL state dict."""
+    import warnings
+
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from _frameworks import tiny_llama
+    from models import fsdp_class
+
+    FSDP = fsdp_class(impl)
+    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"],
+                                                         modules_to_save=["down_proj"], init_lora_weights=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = FSDP(peft_model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=True,
+                     device_id=torch.device("cpu"))
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        full = model.state_dict()
+    names = sorted(n for n, m in peft_model.named_modules() if type(m).__name__ == "ModulesToSaveWrapper")
+    try:
+        return {"keys": sorted(get_peft_model_state_dict(peft_model, state_dict=full)), "wrapper_names": names}
+    except KeyError as error:
+        return {"error": repr(error), "wrapper_names": names,
+                "full_has_it": sorted(k for k in full if "modules_to_save" in k)}
+
+
+def test_peft_adapter_state_dict_with_nested_units_as_torch():
+    """Issue 35, item 7: peft strips only a leading ``_fsdp_wrapped_module.`` from the names of its
+    ``modules_to_save`` wrappers; inside nested units the names keep an inner one on torch's FSDP1 too, so peft looks
+    for the wrapper's weights under a name the FULL state dict (which has them, under clean names) does not use, and
+    raises the same KeyError on torch's FSDP1 as on flatshard: peft's to fix (flatshard keeps torch's module names,
+    which torch's own scripts rely on; see the README)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    theirs = run_distributed(_peft_adapter_keys, 2, "torch", timeout=120)
+    ours = run_distributed(_peft_adapter_keys, 2, "flatshard", timeout=120)
+    assert ours == theirs
+    assert all("._fsdp_wrapped_module." in name for name in theirs[0]["wrapper_names"]), theirs[0]
+    assert "modules_to_save.default.weight" in theirs[0].get("error", ""), theirs[0]
+    assert theirs[0]["full_has_it"], theirs[0]  # (the weights are in the state dict, under their clean names)
