@@ -5,19 +5,25 @@ A fresh interpreter (the pytest process has imported everything by now).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+
+def _fresh_interpreter(*lines: str, **environment: str) -> subprocess.CompletedProcess:
+    """``lines`` run in a new interpreter (nothing imported yet), with ``environment`` added; its output."""
+    return subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **environment})
 
 
 def test_import_flatshard_leaves_the_planner_and_dynamo_until_they_are_used():
     """Neither the planner nor torch._dynamo (seconds of every process's start; see [Note: Lazy dynamo]) is
     imported by ``import flatshard``."""
-    done = subprocess.run([sys.executable, "-c", "import sys, flatshard\n"
-                           "print('torch._dynamo' in sys.modules)\n"
-                           "print(sorted(m for m in sys.modules if m.startswith('flatshard.plan')))\n"
-                           "flatshard.plan.measure_activations\n"
-                           "print(callable(flatshard.plan), 'flatshard.plan._activations' in sys.modules)"],
-                          capture_output=True, text=True, timeout=120)
+    done = _fresh_interpreter("import sys, flatshard",
+                              "print('torch._dynamo' in sys.modules)",
+                              "print(sorted(m for m in sys.modules if m.startswith('flatshard.plan')))",
+                              "flatshard.plan.measure_activations",
+                              "print(callable(flatshard.plan), 'flatshard.plan._activations' in sys.modules)")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["False", "[]", "True True"], done.stdout
 
@@ -25,34 +31,33 @@ def test_import_flatshard_leaves_the_planner_and_dynamo_until_they_are_used():
 def test_import_flatshard_loads_torch_with_the_first_name_used():
     """[Note: A lazy import]: ``import flatshard`` imports neither torch nor the runtime; every public name (torch's
     enums and configs of api.py included, the same list) and submodule resolves on first use; ``from flatshard
-    import ...`` works as before."""
-    done = subprocess.run([sys.executable, "-c", "import sys, flatshard\n"
-                           "print('torch' in sys.modules)\n"
-                           "from flatshard import FullyShardedDataParallel, fully_shard, MixedPrecision, FSDP\n"
-                           "import flatshard.api as api\n"
-                           "print(FSDP is FullyShardedDataParallel, flatshard._C.__name__, flatshard.wrap.__name__)\n"
-                           "print(sorted(api.__all__) == sorted(n for n in flatshard.__all__ if hasattr(api, n)))\n"
-                           "print(all(getattr(flatshard, n) is not None for n in flatshard.__all__))\n"
-                           "print(hasattr(flatshard, 'no_such_name'))"],
-                          capture_output=True, text=True, timeout=120)
+    import ...`` works as before; ``import flatshard._C`` first imports torch."""
+    done = _fresh_interpreter("import sys, flatshard",
+                              "print('torch' in sys.modules)",
+                              "from flatshard import FullyShardedDataParallel, fully_shard, MixedPrecision, FSDP",
+                              "import flatshard.api as api",
+                              "print(FSDP is FullyShardedDataParallel, flatshard._C.__name__, flatshard.wrap.__name__)",
+                              "print(sorted(api.__all__) == sorted(n for n in flatshard.__all__ if hasattr(api, n)))",
+                              "print(all(getattr(flatshard, n) is not None for n in flatshard.__all__))",
+                              "print(hasattr(flatshard, 'no_such_name'))")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["False", "True flatshard._C flatshard.wrap", "True", "True", "False"], \
         done.stdout
+    done = _fresh_interpreter("import flatshard._C", "print(flatshard._C.__name__)")
+    assert done.stdout.splitlines() == ["flatshard._C"], done.stderr
 
 
 def test_the_planners_command_line_refuses_before_importing_torch():
     """Issue 34: a bad argument to ``python -m flatshard.plan`` is answered before torch is imported (a fraction of a
-    second, where importing torch and its FSDP takes seconds)."""
-    done = subprocess.run([sys.executable, "-c", "import sys\n"
-                           "from flatshard.plan.__main__ import main\n"
-                           "try:\n"
-                           "    main(['--world-size', '0', '--hf-config', 'config.json'])\n"
-                           "except SystemExit as stop:\n"
-                           "    print(stop.code)\n"
-                           "print('torch' in sys.modules)"],
-                          capture_output=True, text=True, timeout=120)
+    second, where importing torch and its FSDP takes seconds), also with the opt-in in the environment."""
+    code = ("import sys", "from flatshard.plan.__main__ import main", "try:",
+            "    main(['--world-size', '0', '--hf-config', 'config.json'])", "except SystemExit as stop:",
+            "    print(stop.code)", "print('torch' in sys.modules)")
+    done = _fresh_interpreter(*code)
     assert done.stdout.splitlines() == ["2", "False"], (done.stdout, done.stderr)
     assert "--world-size: expected a number of ranks >= 1 but got 0" in done.stderr, done.stderr
+    done = _fresh_interpreter(*code, FLATSHARD_AS_TORCH_FSDP="1")
+    assert done.stdout.splitlines() == ["2", "False"], (done.stdout, done.stderr)
 
 
 # The runtime layer (DESIGN.md's "Layers"): what either front-end hands modules to. It imports nothing of a

@@ -239,12 +239,19 @@ def sharded_or_local_state_dict(unit: FullyShardedDataParallel, destination: Any
     out = destination if destination is not None else collections.OrderedDict()
     for _, name in sorted(enumerate(entries), key=position):
         out[prefix + name] = entries[name]
-    if records:  # see [Note: Local state dicts]
-        if getattr(out, "_metadata", None) is None:
-            out._metadata = collections.OrderedDict()
-        for path, record in records.items():
-            out._metadata.setdefault(metadata_key(prefix, path), {})[LAYOUT_METADATA] = record
+    _add_layout_records(out, prefix, records)
     return out
+
+
+def _add_layout_records(out: Any, prefix: str, records: dict[str, dict[str, Any]]) -> None:
+    """LOCAL: each unit's layout record into its entry of the state dict's ``_metadata`` (see [Note: Local state
+    dicts])."""
+    if not records:
+        return
+    if getattr(out, "_metadata", None) is None:
+        out._metadata = collections.OrderedDict()
+    for path, record in records.items():
+        out._metadata.setdefault(metadata_key(prefix, path), {})[LAYOUT_METADATA] = record
 
 
 def metadata_key(prefix: str, path: str) -> str:
