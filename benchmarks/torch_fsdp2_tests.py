@@ -1,4 +1,5 @@
-"""Run torch's own FSDP2 unit tests against torch's ``fully_shard`` or flatshard's.
+"""Run torch's own FSDP2 unit tests against torch's ``fully_shard`` or flatshard's (and, with ``--api fsdp1``,
+torch's own FSDP1 unit tests against torch's ``FullyShardedDataParallel`` class or flatshard's).
 
 Usage::
 
@@ -33,6 +34,13 @@ swap reached the spawned rank processes too.
 The same file is the pytest plugin (``-p torch_fsdp2_tests``) that writes every test's outcome
 (passed / failed / skipped / error) and, for failures, the exception line to a JSON file.
 
+``--api fsdp1``: torch's FSDP1 test files (``test/distributed/fsdp/test_fsdp_*.py``) construct
+``torch.distributed.fsdp.FullyShardedDataParallel``; for ``--impl flatshard`` the bootstrap calls
+``flatshard.install_as_torch_fsdp()`` (the opt-in frameworks use), so that the class, its static methods
+and torch's state-dict helpers are flatshard's in every test process. Those files gate each test on
+GPUs (``@skip_if_lt_x_gpu(n)``, a ``world_size`` of ``min(device_count(), 2)``): with
+``--cpu-multiprocess`` the gates pass (``_lift_fsdp1_gpu_gates``) and the ranks are gloo processes.
+
 CPU-only machines
 -----------------
 torch 2.13's ``FSDPTest._run`` and ``FSDPTestContinuous._init_pg`` exit with "skip" whenever
@@ -64,6 +72,8 @@ _ENV_RESULTS = "FSDP2_TESTS_RESULTS"  # JSON file the plugin writes the outcomes
 _ENV_PROBE = "FSDP2_TESTS_PROBE"  # file the flatshard recorder appends "<pid> <impl>" to
 _ENV_CPU_MP = "FSDP2_TESTS_CPU_MULTIPROCESS"  # "1": lift the accelerator-count check (see above)
 _ENV_FAST_SKIP = "FSDP2_TESTS_FAST_SKIP"  # "0": spawn FSDPTest ranks even where they would only skip
+_ENV_API = "FSDP2_TESTS_API"  # "fsdp2" (fully_shard, the default) or "fsdp1" (the FullyShardedDataParallel class)
+_ENV_TESTS_DIR = "FSDP2_TESTS_DIR"  # the test files' directory (fsdp1 on CPUs: see _lift_fsdp1_gpu_gates)
 
 _DEFAULT_TIMEOUT_S = 300  # per test
 _DEFAULT_FILE_TIMEOUT_S = 1200  # per file
@@ -76,10 +86,55 @@ _DEFAULT_FILE_TIMEOUT_S = 1200  # per file
 def _bootstrap() -> None:
     """Runs at interpreter start-up in every test process (via sitecustomize)."""
     impl = os.environ.get(_ENV_IMPL)
+    fsdp1 = os.environ.get(_ENV_API) == "fsdp1"
     if impl == "flatshard":
-        _install_flatshard()
+        _install_flatshard_class() if fsdp1 else _install_flatshard()
     if os.environ.get(_ENV_CPU_MP) == "1":
+        if fsdp1:  # (first: _lift_accelerator_check's wrapper must see its callers as frame 1)
+            _lift_fsdp1_gpu_gates()
         _lift_accelerator_check()
+
+
+def _install_flatshard_class() -> None:
+    """``--api fsdp1``: torch's FSDP1 class (and its static methods, state-dict helpers) is flatshard's, through
+    flatshard's own opt-in (``install_as_torch_fsdp``), as the frameworks get it. A probe line per process, as above."""
+    import flatshard
+
+    flatshard.install_as_torch_fsdp()
+    probe_path = os.environ.get(_ENV_PROBE)
+    if probe_path:
+        with open(probe_path, "a") as f:
+            f.write(f"{os.getpid()} flatshard.install_as_torch_fsdp\n")
+
+
+def _lift_fsdp1_gpu_gates() -> None:
+    """torch's FSDP1 test files gate every test on GPUs: ``@skip_if_lt_x_gpu(n)`` (no ``allow_cpu``), and classes
+    whose ``world_size`` is ``min(torch.accelerator.device_count(), 2)``. On a CPU machine with --cpu-multiprocess:
+    the decorator passes the test through, ``device_count()`` answers 2 to code in the test files (nowhere else),
+    and ``common_fsdp.FSDP_DEVICES`` (newer than torch 2.13; test_fsdp_apply.py imports it) is ``("cpu",)``."""
+    import torch
+    from torch.testing._internal import common_distributed, common_fsdp
+
+    def skip_if_lt_x_gpu(n, *args, **kwargs):
+        return lambda fn: fn
+
+    common_distributed.skip_if_lt_x_gpu = skip_if_lt_x_gpu
+    if not hasattr(common_fsdp, "FSDP_DEVICES"):
+        common_fsdp.FSDP_DEVICES = ("cpu",)
+    tests_dir = os.environ.get(_ENV_TESTS_DIR, "")
+    real_device_count = torch.accelerator.device_count
+
+    def device_count(*args, **kwargs):
+        frame = sys._getframe(1)
+        for _ in range(3):  # (the caller, through _lift_accelerator_check's wrapper around this one)
+            if frame is None:
+                break
+            if tests_dir and frame.f_code.co_filename.startswith(tests_dir):
+                return 2
+            frame = frame.f_back
+        return real_device_count(*args, **kwargs)
+
+    torch.accelerator.device_count = device_count
 
 
 def _install_flatshard() -> None:
@@ -127,6 +182,19 @@ def _lift_accelerator_check() -> None:
         return real_device_count(*args, **kwargs)
 
     torch.accelerator.device_count = device_count
+    # torch's FSDP1 refuses a CPU module without device_id when no accelerator is present ("FSDP needs a non-CPU
+    # accelerator device"), which these files never pass: torch's own device selection takes the CPU instead (the
+    # oracle only; flatshard's class takes a CPU module as it is).
+    from torch.distributed.fsdp import _init_utils, fully_sharded_data_parallel
+
+    real_init_device_handle = _init_utils._init_device_handle
+
+    def init_device_handle(state, module, ignored_params, device_id):
+        if device_id is None and torch.accelerator.current_accelerator() is None:
+            device_id = torch.device("cpu")
+        return real_init_device_handle(state, module, ignored_params, device_id)
+
+    _init_utils._init_device_handle = fully_sharded_data_parallel._init_device_handle = init_device_handle
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,6 +348,8 @@ def run_file(test_file: Path, impl: str, args: argparse.Namespace, workdir: Path
     env[_ENV_PROBE] = str(probe_path)
     env[_ENV_CPU_MP] = "1" if args.cpu_multiprocess else "0"
     env[_ENV_FAST_SKIP] = "0" if args.no_fast_skip else "1"
+    env[_ENV_API] = args.api
+    env[_ENV_TESTS_DIR] = str(test_file.parent)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the machine's cores
 
     cmd = [sys.executable, "-m", "pytest", str(test_file), "-p", "torch_fsdp2_tests",
@@ -362,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tests-dir", type=Path, help="directory holding torch's test_fully_shard_*.py files")
     parser.add_argument("--impl", choices=("torch", "flatshard"), default="torch")
+    parser.add_argument("--api", choices=("fsdp2", "fsdp1"), default="fsdp2",
+                        help="fsdp2: swap fully_shard (test_fully_shard_*.py); fsdp1: swap the FullyShardedDataParallel "
+                             "class through flatshard's opt-in (torch's test/distributed/fsdp/test_fsdp_*.py)")
     parser.add_argument("--files", nargs="*", help="file names in --tests-dir (default: every test_fully_shard_*.py)")
     parser.add_argument("--out", type=Path, help="JSON file for the per-test outcomes")
     parser.add_argument("-k", help="pytest -k expression, applied to every file")
@@ -390,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tests-dir is required")
 
     tests_dir = args.tests_dir.resolve()
-    names = args.files or sorted(p.name for p in tests_dir.glob("test_fully_shard_*.py"))
+    names = args.files or sorted(p.name for p in tests_dir.glob(
+        "test_fsdp_*.py" if args.api == "fsdp1" else "test_fully_shard_*.py"))
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="torch_fsdp2_tests-"))).resolve()
     (workdir / "site").mkdir(parents=True, exist_ok=True)
     (workdir / "site" / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(runner=str(Path(__file__).resolve())))
