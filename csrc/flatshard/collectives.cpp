@@ -206,6 +206,26 @@ c10::intrusive_ptr<c10d::Work> all_to_all_single(c10d::ProcessGroup& group, at::
 #endif
 }
 
+// See [Note: Two gloo ranks exchange halves]: `sent` to the peer, the peer's half into `received`; then `finish`
+// (the own half copied or added), on gloo's thread once the exchange completed. `finish` holds what it needs (the
+// input among it) until then, and lets go of it when it returns, or when the exchange failed, whose error the
+// returned work carries.
+CommWork exchange_with_peer(c10d::ProcessGroup& group, std::int64_t me, at::Tensor received, at::Tensor sent,
+                            std::function<void()> finish) {
+  const std::int64_t n = sent.numel();
+  std::vector<std::int64_t> splits{me == 0 ? 0 : n, me == 0 ? n : 0};
+  auto future = all_to_all_single(group, received, sent, splits, splits)->getFuture();
+  auto pending = std::make_shared<std::function<void()>>(std::move(finish));
+  return track_future(future->then(
+      [pending](c10::ivalue::Future& exchange) {
+        std::function<void()> finish = std::move(*pending);
+        if (exchange.hasError()) std::rethrow_exception(exchange.exception_ptr());
+        finish();
+        return c10::IValue();
+      },
+      c10::NoneType::get()));
+}
+
 c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, at::Tensor& output,
                                                      at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
 #if FLATSHARD_C10D_SINGLE_NAMES
@@ -350,24 +370,12 @@ CommWork Collectives::all_gather(at::Tensor& output, at::Tensor& input) {
   TORCH_INTERNAL_ASSERT(output.numel() == input.numel() * size());
   impl_->count(CollectiveKind::kAllGather, input);
   if (without_backends()) return track_work(all_gather_one_coalesced(*impl_->group, output, input));
-  if (is_cpu_gloo(output.device()) && size() == 2) {
-    // See [Note: Two gloo ranks exchange halves]: the peer's half straight into its rows of the output, this rank's
-    // copied into its own when the exchange completes (on gloo's thread; the input kept until then).
-    const std::int64_t n = input.numel(), me = rank();
-    at::Tensor rows = output.view({2, n});
-    at::Tensor received = rows.select(0, 1 - me);
+  if (is_cpu_gloo(output.device()) && size() == 2) {  // see [Note: Two gloo ranks exchange halves]
+    const std::int64_t me = rank();
+    at::Tensor rows = output.view({2, input.numel()});
     at::Tensor sent = input.view(-1);
-    std::vector<std::int64_t> splits{me == 0 ? 0 : n, me == 0 ? n : 0};
-    auto future = all_to_all_single(*impl_->group, received, sent, splits, splits)->getFuture();
-    auto own = std::make_shared<std::pair<at::Tensor, at::Tensor>>(rows.select(0, me), sent);
-    return track_future(future->then(
-        [own](c10::ivalue::Future& exchange) {
-          auto [mine, input] = std::move(*own);  // the input goes when this returns
-          if (exchange.hasError()) std::rethrow_exception(exchange.exception_ptr());
-          mine.copy_(input);
-          return c10::IValue();
-        },
-        c10::NoneType::get()));
+    return exchange_with_peer(*impl_->group, me, rows.select(0, 1 - me), sent,
+                              [mine = rows.select(0, me), sent] { mine.copy_(sent); });
   }
   auto work = all_gather_single(*impl_->group, output, input);
   return is_cpu_gloo(output.device()) ? track_future(work->getFuture()) : track_work(std::move(work));
@@ -376,25 +384,12 @@ CommWork Collectives::all_gather(at::Tensor& output, at::Tensor& input) {
 CommWork Collectives::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) {
   TORCH_INTERNAL_ASSERT(input.numel() == output.numel() * size());
   impl_->count(CollectiveKind::kReduceScatter, input);
-  if (is_cpu_gloo(output.device()) && size() == 2) {
-    // See [Note: Two gloo ranks exchange halves]: the peer's half of its input straight into the output, this
-    // rank's own half added when the exchange completes (on gloo's thread; the input kept until then).
-    const std::int64_t n = output.numel(), me = rank(), peer = 1 - me;
-    at::Tensor rows = input.view({2, n});
-    at::Tensor to_peer = rows.select(0, peer);
+  if (is_cpu_gloo(output.device()) && size() == 2) {  // see [Note: Two gloo ranks exchange halves]
+    const std::int64_t me = rank();
+    at::Tensor rows = input.view({2, output.numel()});
     at::Tensor received = output.view(-1);
-    std::vector<std::int64_t> splits{me == 0 ? 0 : n, me == 0 ? n : 0};
-    auto future = all_to_all_single(*impl_->group, received, to_peer, splits, splits)->getFuture();
-    auto mine = std::make_shared<at::Tensor>(rows.select(0, me));
-    auto done = future->then(
-        [mine, received](c10::ivalue::Future& exchange) {
-          at::Tensor own = std::move(*mine);  // the input goes when this returns, on gloo's thread
-          if (exchange.hasError()) std::rethrow_exception(exchange.exception_ptr());
-          received.add_(own);
-          return c10::IValue();
-        },
-        c10::NoneType::get());
-    return track_future(std::move(done));
+    return exchange_with_peer(*impl_->group, me, received, rows.select(0, 1 - me),
+                              [received, mine = rows.select(0, me)] { received.add_(mine); });
   }
   if (is_cpu_gloo(output.device())) {
     // See [Note: gloo's temporaries].
