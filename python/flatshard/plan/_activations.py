@@ -167,9 +167,9 @@ class ActivationProfile:
                     f"the model you plan, unwrapped and uncompiled)")
             # (a unit whose gradients all came before the units after it in backward order: none of its own here)
             own = {position[name] for name in unit_params[i] if seg_first[position.get(name, -1) + 1] > cursor}
-            segment = next(k for k in range(len(self.segments)) if seg_first[k + 1] > cursor) if cursor < len(pieces) \
-                else len(self.segments) - 1
             if not own:
+                segment = next((k for k in range(len(self.segments)) if seg_first[k + 1] > cursor),
+                               len(self.segments) - 1)
                 out.starting[i] = self.at_grads[segment - 1] if segment else self.backward_start
                 out.root_at_start[i] = out.root_at_end[i] = root_made_before(cursor)
                 out.computing[i] = (0, self.segments[segment])
@@ -187,9 +187,8 @@ class ActivationProfile:
             gathered = cursor
             if i == n - 1 and unit_names is not None and "" in marked:
                 gathered = min(max(cursor, marked[""]), begin)
-            root_before = root_made_before(cursor)
             if gathered > cursor:
-                out.gaps_ungathered[i] = walk(cursor, gathered, roots, root_before)
+                out.gaps_ungathered[i] = walk(cursor, gathered, roots, root_made_before(cursor))
             if begin > gathered:
                 out.gaps[i] = walk(gathered, begin, roots, root_made_before(gathered))
             out.root_at_start[i] = root_made_before(begin)
