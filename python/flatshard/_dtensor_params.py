@@ -101,6 +101,26 @@ def use_sharded_views(s: UnitState) -> None:
                                                      requires_grad=p.requires_grad))
 
 
+def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor, list] | None:
+    """``_orig_params.use_grad_views`` for a gradient shard of the parameters' dtype (the common case, once a unit
+    after every backward): each parameter that got a gradient this iteration gets ``grad_of`` its rows as its
+    ``.grad``, the others None; returns what ``s.orig_grads_given`` records (None when no gradient was given)."""
+    base = flat_grad.storage_offset()
+    given = []
+    any_given = False
+    for p, (start, _numel, shape, _dim, strides), seen in zip(s.orig_params, _rows(s), s.orig_grad_seen):
+        if seen and p.requires_grad:
+            local = flat_grad.as_strided(shape, strides, base + start)
+            grad = grad_of(p, local)
+            p.grad = grad
+            given.append((grad, local.data_ptr()))
+            any_given = True
+        else:
+            p.grad = None
+            given.append((None, 0))
+    return (flat_grad, given) if any_given else None
+
+
 def grad_of(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``p``'s ``.grad``: a DTensor over ``local`` (its rows of the gradient shard) on ``p``'s own spec (mesh,
     placements, global shape, dtype): building a spec costs ~0.3 ms, this one serves every backward (as torch's

@@ -94,6 +94,9 @@ def use_grad_views(s: UnitState) -> None:
     flat_grad = s.flat_param.grad
     params = s.orig_params
     s.orig_grads_given = None
+    if flat_grad is not None and s.config.dim0_layout and flat_grad.dtype == s.flat_param.dtype:
+        s.orig_grads_given = _dtensor_params.use_grad_views(s, flat_grad)
+        return
     for p in params:
         p.grad = None
     if flat_grad is None:
@@ -123,9 +126,13 @@ def _grads_as_given(s: UnitState, flat: torch.Tensor) -> bool:
     given = s.orig_grads_given
     if given is None or flat.grad is not given[0]:
         return False
-    as_dtensor = s.config.dim0_layout
+    if s.config.dim0_layout:
+        for p, (grad, ptr) in zip(s.orig_params, given[1]):
+            if p.grad is not grad or (grad is not None and grad._local_tensor.data_ptr() != ptr):
+                return False
+        return True
     for p, (grad, ptr) in zip(s.orig_params, given[1]):
-        if p.grad is not grad or (grad is not None and _data_ptr(grad, as_dtensor) != ptr):
+        if p.grad is not grad or (grad is not None and grad.data_ptr() != ptr):
             return False
     return True
 

@@ -243,6 +243,22 @@ class _UnshardedViews(torch.autograd.Function):
         return None, None, None, None
 
 
+# [Note: Applying the views' node]
+# ``torch.autograd.Function.apply`` is a Python classmethod that, outside functorch's transforms (vmap, grad, ...),
+# unwraps dead functorch wrappers from the arguments and calls ``_FunctionBase.apply``, the C++ one; that Python
+# layer is 40% of the node's cost (4 of 10 us here, once a unit a forward). Our arguments are the unit's own state,
+# flat parameter and views, never functorch wrappers, so outside the transforms the C++ apply is called straight;
+# under a transform, the whole of ``Function.apply`` (which refuses the node there: it has no setup_context).
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _UnshardedViews)
+
+
+def _apply_views(s: UnitState, use: Use, views: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``views`` as the outputs of the use's ``_UnshardedViews`` node (see [Note: Applying the views' node])."""
+    if torch._C._are_functorch_transforms_active():
+        return _UnshardedViews.apply(s, use, s.flat_param, views)
+    return _C_APPLY(s, use, s.flat_param, views)
+
+
 def set_views(state: UnitState, views, placeholders: bool = False) -> None:
     """Puts ``views`` (one per original parameter) on the modules as their parameter attributes;
     with ``use_orig_params`` the placeholders are the registered parameters themselves (see
@@ -432,7 +448,7 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
         set_views(s, views)
         return None
     use = Use(s)
-    set_views(s, _UnshardedViews.apply(s, use, flat, views))
+    set_views(s, _apply_views(s, use, views))
     return use
 
 
@@ -581,7 +597,13 @@ def hand_out_views(s: UnitState, views: list[torch.Tensor]) -> None:
         return
     use = Use(s, speculative=True)
     with torch.enable_grad():
-        set_views(s, _UnshardedViews.apply(s, use, s.flat_param, views))
+        set_views(s, _apply_views(s, use, views))
+
+
+def live_uses(s: UnitState) -> list[Use]:
+    """The unit's uses still alive: a snapshot of ``s.uses`` through its set of weak references (iterating the
+    WeakSet itself costs microseconds a call, and this runs in every post-backward)."""
+    return [use for ref in tuple(s.uses.data) if (use := ref()) is not None]
 
 
 def has_pending_uses(s: UnitState) -> bool:
@@ -590,7 +612,7 @@ def has_pending_uses(s: UnitState) -> bool:
     if task == -1:
         return False
     nested = task != s.root.backward_task
-    for use in list(s.uses):
+    for use in live_uses(s):
         if use.done or use.node is None:
             continue
         node = use.node()
@@ -748,7 +770,7 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:  # the same order on every rank
         s = unit._unit_state
         handle = s.handle
-        for use in list(s.uses):
+        for use in live_uses(s):
             use.finish()  # a later backward through a kept graph is a new reduction
         if handle is not None and s.sync_gradients and handle.has_unsharded_grad():
             # a use whose post-backward never ran
@@ -780,7 +802,7 @@ def abort_backward(root: RootState) -> None:
     for unit in root.units:
         s = unit._unit_state
         s.switch("abort of backward")
-        for use in list(s.uses):
+        for use in live_uses(s):
             use.finish()
         if s.handle is not None:
             s.handle.drop_unsharded_grad()
