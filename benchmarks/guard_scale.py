@@ -44,79 +44,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flatshard.testing._probes import counting_file_store, established_tcp_connections
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _counting_store(path: str, world_size: int):
-    class CountingStore(dist.Store):
-        """A FileStore counting the operations made on it, and the clients cloned from it."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = dist.FileStore(path, world_size)
-            self.operations = 0
-            self.clones = 0
-
-        def _count(self, name, *args):
-            self.operations += 1
-            return getattr(self.inner, name)(*args)
-
-        def set(self, key, value):
-            return self._count("set", key, value)
-
-        def get(self, key):
-            return self._count("get", key)
-
-        def add(self, key, amount):
-            return self._count("add", key, amount)
-
-        def check(self, keys):
-            return self._count("check", keys)
-
-        def compare_set(self, key, expected, desired):
-            return self._count("compare_set", key, expected, desired)
-
-        def delete_key(self, key):
-            return self._count("delete_key", key)
-
-        def num_keys(self):
-            return self._count("num_keys")
-
-        def multi_get(self, keys):
-            return self._count("multi_get", keys)
-
-        def multi_set(self, keys, values):
-            return self._count("multi_set", keys, values)
-
-        def wait(self, keys, timeout=None):
-            return self._count("wait", keys) if timeout is None else self._count("wait", keys, timeout)
-
-        def set_timeout(self, timeout):
-            return self.inner.set_timeout(timeout)
-
-        def clone(self):
-            self.clones += 1
-            return self.inner.clone()
-
-    return CountingStore()
-
-
-def _tcp_connections() -> int:
-    """This process's established TCP connections (its sockets' inodes in the kernel's tables)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    established = 0
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            next(f)
-            established += sum(1 for line in f if line.split()[3] == "01" and line.split()[9] in inodes)
-    return established
 
 
 def _rank(rank: int, world_size: int, path: str, guard: str, out: dict) -> None:
@@ -127,7 +57,7 @@ def _rank(rank: int, world_size: int, path: str, guard: str, out: dict) -> None:
     from flatshard import FullyShardedDataParallel as FSDP
 
     start = time.perf_counter()
-    store = _counting_store(path, world_size)
+    store = counting_file_store(path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=300))
     layers = [torch.nn.Linear(16, 16) for _ in range(4)]
@@ -154,7 +84,7 @@ def _rank(rank: int, world_size: int, path: str, guard: str, out: dict) -> None:
     healthy = store.operations - before
     guard_state = model._unit_state.root.guard
     out[rank] = {"first_step_s": first, "links": len(guard_state._rounds) if guard_state else 0,
-                 "tcp_connections": _tcp_connections(), "store_clones": store.clones,
+                 "tcp_connections": established_tcp_connections(), "store_clones": store.clones,
                  "healthy_store_ops": healthy, "step_ms": statistics.median(steps) * 1e3}
     dist.barrier()
     dist.destroy_process_group()

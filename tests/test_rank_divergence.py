@@ -215,6 +215,21 @@ def test_guard_can_be_turned_off():
     assert run_distributed(_guard_off, 2, "1", timeout=DEADLINE, pg_timeout=PG_TIMEOUT) == [True, True]
 
 
+def _flatshard_warnings() -> list[str]:
+    """The messages of flatshard's warnings from here on, in this process."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+
+    logging.getLogger("flatshard").addHandler(Collect())
+    return messages
+
+
 def _links_and_their_fallback(rank, world_size):
     """[Note: The guard's links]: each round's partner is a TCP connection of the guard's own; where one cannot be
     made (here: rank 3 cannot connect to anyone), that pair falls back to a two-rank gloo group, on both ends, and the
@@ -228,8 +243,13 @@ def _links_and_their_fallback(rank, world_size):
             raise ConnectionRefusedError("no route (the test's)")
 
         socket.create_connection = refuse
+    warnings = _flatshard_warnings()
     model, opt = _trained_one_step(rank, world_size)
     kinds = [type(link).__name__ for _, link in model._unit_state.root.guard._rounds]
+    # Each fallback says why, on both ends: the OSError of the end that could not connect.
+    fallbacks = [w for w in warnings if "falls back to a gloo pair" in w]
+    assert len(fallbacks) == kinds.count("GlooLink"), warnings
+    assert all("no route (the test's)" in w for w in fallbacks), fallbacks
     # rounds: with 1 (k = 1) and with 2 (k = 2); rank 3's are with 2 and 1, both through gloo
     expected = {0: ["SocketLink", "SocketLink"], 1: ["SocketLink", "GlooLink"], 2: ["GlooLink", "SocketLink"],
                 3: ["GlooLink", "GlooLink"]}[rank]

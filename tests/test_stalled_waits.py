@@ -22,6 +22,7 @@ import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from flatshard.testing import abandon_group, run_distributed
+from flatshard.testing._probes import counting_file_store, established_tcp_connections
 from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 
 DEADLINE = 120.0  # a hang's bound, not a speed claim (see the docstring)
@@ -295,81 +296,6 @@ def test_a_slow_rank_is_waited_for_not_called_gone():
         assert slowed[rank] == pytest.approx(plain[rank], rel=1e-6, abs=1e-7), (slowed, plain)
 
 
-def _counting_store_class():
-    import torch.distributed as dist
-
-    class CountingStore(dist.Store):
-        """The job's store (a FileStore), counting the operations made on it and the clients cloned from it (the
-        heartbeat's fallback: see [Note: A quiet heartbeat])."""
-
-        def __init__(self, path: str, world_size: int) -> None:
-            super().__init__()
-            self.inner = dist.FileStore(path, world_size)
-            self.operations = 0
-            self.clones = 0
-
-        def _count(self, name, *args):
-            self.operations += 1
-            return getattr(self.inner, name)(*args)
-
-        def set(self, key, value):
-            return self._count("set", key, value)
-
-        def get(self, key):
-            return self._count("get", key)
-
-        def add(self, key, amount):
-            return self._count("add", key, amount)
-
-        def check(self, keys):
-            return self._count("check", keys)
-
-        def compare_set(self, key, expected, desired):
-            return self._count("compare_set", key, expected, desired)
-
-        def delete_key(self, key):
-            return self._count("delete_key", key)
-
-        def num_keys(self):
-            return self._count("num_keys")
-
-        def multi_get(self, keys):
-            return self._count("multi_get", keys)
-
-        def multi_set(self, keys, values):
-            return self._count("multi_set", keys, values)
-
-        def wait(self, keys, timeout=None):
-            return self._count("wait", keys) if timeout is None else self._count("wait", keys, timeout)
-
-        def set_timeout(self, timeout):
-            return self.inner.set_timeout(timeout)
-
-        def clone(self):  # (a client of its own: a FileStore on the same file, its operations uncounted)
-            self.clones += 1
-            return self.inner.clone()
-
-    return CountingStore
-
-
-def _tcp_connections() -> int:
-    """This process's established TCP connections (its sockets' inodes in the kernel's tables)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    established = 0
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            next(f)
-            established += sum(1 for line in f if line.split()[3] == "01" and line.split()[9] in inodes)
-    return established
-
-
 def _healthy_steps_store_operations(rank, world_size, path, guard):
     """The job's process group made anew over a store that counts its operations: a few steps (the guard and its
     links set up, the stall watch attached), then more steps, whose store operations are counted; with the guard
@@ -380,7 +306,7 @@ def _healthy_steps_store_operations(rank, world_size, path, guard):
 
     os.environ["FLATSHARD_RANK_GUARD"] = guard
     dist.destroy_process_group()
-    store = _counting_store_class()(path, world_size)
+    store = counting_file_store(path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT))
     model = _model()
@@ -395,7 +321,7 @@ def _healthy_steps_store_operations(rank, world_size, path, guard):
     from flatshard import _stall_watch
 
     assert guard == "0" or _stall_watch._watch.waits_quietly  # (its UDP wake-up, not a slow poll of the job's store)
-    return store.operations - before, _tcp_connections(), store.clones
+    return store.operations - before, established_tcp_connections(), store.clones
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

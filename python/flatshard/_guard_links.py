@@ -180,9 +180,22 @@ def make_link(prefix: str, slot: int, timeout: timedelta) -> SocketLink | GlooLi
             sock.close()
             sock = None
     if sock is None:
+        logger.warning("flatshard: the rank guard's link %r (this rank's end: %d) falls back to a gloo pair, "
+                       "which costs a gloo group per link: %s", prefix, slot, _why_no_connection(store, slot))
         group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), slot, 2, timeout)
         return GlooLink(group, slot)
     return SocketLink(sock, timeout)
+
+
+def _why_no_connection(store: Any, slot: int) -> str:
+    """What each end of a pair recorded on giving up its connection (the OSError, or "no connection"), for the
+    fallback's warning."""
+    said = []
+    for end in (slot, 1 - slot):
+        key = f"failed/{end}"
+        reason = store.get(key).decode(errors="replace") if store.check([key]) else "nothing recorded"
+        said.append(f"{'this end' if end == slot else 'the partner'}: {reason}")
+    return "; ".join(said)
 
 
 def _first_of(store: Any, keys: list[str], deadline: float) -> str | None:
