@@ -70,7 +70,7 @@ at::Tensor FlatParamHandle::flatten(const std::vector<at::Tensor>& tensors, cons
   TORCH_CHECK(static_cast<std::int64_t>(tensors.size()) == layout.num_params(),
               "flatshard.flatten: expected ", layout.num_params(), " tensors but got ",
               tensors.size());
-  if (layout.kind() == LayoutKind::kDim0) {  // rank-major rows: see [Note: Dim-0 layout]
+  if (layout.kind() == LayoutKind::kDim0 && layout.shard_factor() > 1) {  // rank-major rows: see [Note: Dim-0 layout]
     at::Tensor flat = at::zeros({layout.padded_numel()}, options);
     for (std::int64_t i = 0; i < layout.num_params(); ++i) {
       const at::Tensor& t = tensors[i];
@@ -312,6 +312,13 @@ void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
     }
     for (std::int64_t i = 0; i < into_layout.num_params(); ++i) {
       if (!grads[i].defined()) continue;
+      if (into_layout.shard_factor() == 1) {  // the packed flat layout (see [Note: Dim-0 layout])
+        if (into_layout.numels()[i] > 0) {
+          unsharded_grad_.narrow(0, into_layout.offsets()[i], into_layout.numels()[i])
+              .add_(grads[i].reshape({into_layout.numels()[i]}));
+        }
+        continue;
+      }
       for (auto& [into, from] : dim0_row_pieces(unsharded_grad_, into_layout, i, grads[i].contiguous())) {
         into.add_(from);
       }

@@ -156,10 +156,10 @@ def note_grads(s: UnitState, grads: tuple[torch.Tensor | None, ...]) -> None:
             seen[i] = True
 
 
-@torch.no_grad()
 def writeback(s: UnitState) -> None:
     """What the user changed between iterations, into the flat shard and its gradient (see the note; fully_shard's
-    parameters stay on the shard, see [Note: DTensor parameters])."""
+    parameters stay on the shard, see [Note: DTensor parameters]). Runs for every unit before every iteration: the
+    checks run as they are, the copies (rare) under no_grad."""
     if not s.config.dim0_layout:
         _write_back_data(s)
     write_back_grads(s)
@@ -178,6 +178,11 @@ def write_back_grads(s: UnitState) -> None:
             flat.grad = None
             s.orig_grad_seen = [False] * len(grads)
         return
+    with torch.no_grad():
+        _copy_grads_back(s, flat, grads)
+
+
+def _copy_grads_back(s: UnitState, flat: nn.Parameter, grads: list[torch.Tensor | None]) -> None:
     flat_grad = flat.grad
     if flat_grad is None:
         flat_grad = torch.zeros_like(flat)
@@ -205,7 +210,8 @@ def _write_back_data(s: UnitState) -> None:
                     f"with use_orig_params=True change a parameter's values in place (or inside "
                     f"FSDP.summon_full_params), not its size."
                 )
-            view.copy_(p.data.reshape(view.shape))
+            with torch.no_grad():
+                view.copy_(p.data.reshape(view.shape))
             p.data = view
 
 
