@@ -1,5 +1,8 @@
 #include "flatshard/dim0_rows.h"
 
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/split_with_sizes_copy.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -42,6 +45,38 @@ std::vector<std::pair<at::Tensor, at::Tensor>> dim0_row_pieces(const at::Tensor&
     pieces.emplace_back(by_rank.select(0, full - first_rank).narrow(0, 0, rest), rows_of.narrow(0, full * per_shard, rest));
   }
   return pieces;
+}
+
+void copy_rows_out(const at::Tensor& gathered, const FlatParamLayout& layout, const std::vector<at::Tensor>& params) {
+  TORCH_INTERNAL_ASSERT(layout.rows_divide() && static_cast<std::int64_t>(params.size()) == layout.num_params(),
+                        "flatshard: copy_rows_out needs a dim-0 layout whose rows divide, and one tensor a parameter");
+  const std::int64_t ranks = layout.shard_factor();
+  std::vector<std::int64_t> widths;
+  std::vector<at::Tensor> outs;
+  widths.reserve(params.size());
+  outs.reserve(params.size());
+  for (std::int64_t i = 0; i < layout.num_params(); ++i) {
+    const std::int64_t width = layout.rows_per_shard(i) * layout.row_numel(i);
+    widths.push_back(width);
+    outs.push_back(params[static_cast<std::size_t>(i)].view({ranks, width}));
+  }
+  at::split_with_sizes_copy_out(outs, gathered.view({ranks, layout.shard_numel()}), widths, 1);
+}
+
+at::Tensor rank_major(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout,
+                      const at::TensorOptions& options) {
+  TORCH_INTERNAL_ASSERT(layout.rows_divide() && static_cast<std::int64_t>(tensors.size()) == layout.num_params(),
+                        "flatshard: rank_major needs a dim-0 layout whose rows divide, and one tensor a parameter");
+  const std::int64_t ranks = layout.shard_factor();
+  std::vector<at::Tensor> blocks;
+  blocks.reserve(tensors.size());
+  for (std::int64_t i = 0; i < layout.num_params(); ++i) {
+    const at::Tensor& t = tensors[static_cast<std::size_t>(i)];
+    blocks.push_back(t.reshape({ranks, layout.rows_per_shard(i) * layout.row_numel(i)}));
+  }
+  at::Tensor flat = at::empty({ranks, layout.shard_numel()}, options);
+  at::cat_out(flat, blocks, 1);
+  return flat.view({layout.padded_numel()});
 }
 
 }  // namespace flatshard

@@ -27,4 +27,23 @@ std::vector<std::pair<at::Tensor, at::Tensor>> dim0_row_pieces(const at::Tensor&
                                                                const at::Tensor& param, std::int64_t first_rank = 0,
                                                                std::int64_t num_ranks = -1);
 
+// [Note: One copy a unit]
+// Where the layout's rows divide (FlatParamLayout::rows_divide: every parameter on
+// dim 0, its rows a multiple of F), parameter i is exactly the (F, c_i row_i) block
+// of the gathered tensor viewed (F, S) at column offsets[i]: reading every parameter
+// out is one split_with_sizes_copy along dim 1 and writing gradients in is one cat
+// along dim 1, as torch's FSDP2 does (it pads its parameters to get there). On CUDA
+// each is one kernel for the whole unit instead of one a parameter; on CPUs one
+// dispatch. Elsewhere (padding rows, a parameter sharded on another dim) the pieces
+// above, copied one by one.
+
+// Parameter i's rows out of `gathered` (1-D, layout.padded_numel() long) into
+// `params[i]` (contiguous, parameter i's numel), all at once. Requires rows_divide().
+void copy_rows_out(const at::Tensor& gathered, const FlatParamLayout& layout, const std::vector<at::Tensor>& params);
+
+// The rank-major flat tensor of `tensors` (one per parameter, each with its
+// parameter's numel; none undefined), in `options`. Requires rows_divide().
+at::Tensor rank_major(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout,
+                      const at::TensorOptions& options);
+
 }  // namespace flatshard

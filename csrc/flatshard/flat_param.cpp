@@ -71,6 +71,14 @@ at::Tensor FlatParamHandle::flatten(const std::vector<at::Tensor>& tensors, cons
               "flatshard.flatten: expected ", layout.num_params(), " tensors but got ",
               tensors.size());
   if (layout.kind() == LayoutKind::kDim0 && layout.shard_factor() > 1) {  // rank-major rows: see [Note: Dim-0 layout]
+    if (layout.rows_divide() &&
+        std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined(); })) {
+      for (std::int64_t i = 0; i < layout.num_params(); ++i) {
+        TORCH_CHECK(tensors[i].numel() == layout.numels()[i], "flatshard.flatten: tensor ", i, " has shape ",
+                    shape_str(tensors[i].sizes()), " but the layout expects ", shape_str(layout.shapes()[i]));
+      }
+      return rank_major(tensors, layout, options);  // see [Note: One copy a unit] in dim0_rows.h
+    }
     at::Tensor flat = at::zeros({layout.padded_numel()}, options);
     for (std::int64_t i = 0; i < layout.num_params(); ++i) {
       const at::Tensor& t = tensors[i];
@@ -397,11 +405,20 @@ void FlatParamHandle::copy_out() {
     resize_storage(params_.storage().unsafeGetStorageImpl(), static_cast<std::size_t>(params_nbytes()));
     MemoryCounter::add(params_nbytes());
   }
-  for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
-    const std::int64_t numel = layout_.numels()[i];
-    if (numel == 0) continue;
-    const at::Tensor out = params_target_.narrow(0, packed_layout_->offsets()[i], numel);
-    for (auto& [from, into] : dim0_row_pieces(all_gather_target_, layout_, i, out)) into.copy_(from);
+  if (layout_.rows_divide()) {  // see [Note: One copy a unit] in dim0_rows.h
+    std::vector<at::Tensor> outs;
+    outs.reserve(static_cast<std::size_t>(layout_.num_params()));
+    for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
+      outs.push_back(params_target_.narrow(0, packed_layout_->offsets()[i], layout_.numels()[i]));
+    }
+    copy_rows_out(all_gather_target_, layout_, outs);
+  } else {
+    for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
+      const std::int64_t numel = layout_.numels()[i];
+      if (numel == 0) continue;
+      const at::Tensor out = params_target_.narrow(0, packed_layout_->offsets()[i], numel);
+      for (auto& [from, into] : dim0_row_pieces(all_gather_target_, layout_, i, out)) into.copy_(from);
+    }
   }
   if (unsharded_.storage().nbytes() > 0) {
     resize_storage(unsharded_.storage().unsafeGetStorageImpl(), 0);

@@ -85,6 +85,11 @@ class FlatParamLayout {
   std::int64_t rows(std::int64_t i) const;
   std::int64_t shard_dim(std::int64_t i) const;
   const std::vector<std::int64_t>& shard_dims() const { return shard_dims_; }
+  // Dim-0 layout: whether every parameter is sharded on dim 0 with rows that divide
+  // by F (no padding rows), so that each is viewed (F, c_i row_i) and the gathered
+  // tensor viewed (F, S) is their concatenation along dim 1 (see [Note: One copy a
+  // unit] in dim0_rows.h). False for the flat layout.
+  bool rows_divide() const { return rows_divide_; }
 
   std::int64_t num_params() const { return static_cast<std::int64_t>(shapes_.size()); }
   const std::vector<std::vector<std::int64_t>>& shapes() const { return shapes_; }
@@ -122,6 +127,7 @@ class FlatParamLayout {
   std::vector<std::int64_t> row_numels_;      // dim-0 layout only
   std::vector<std::int64_t> rows_;            // dim-0 layout only
   std::vector<std::int64_t> shard_dims_;      // dim-0 layout only
+  bool rows_divide_ = false;                  // dim-0 layout only
 };
 
 }  // namespace flatshard

@@ -260,6 +260,39 @@ TEST(Scheduler, Dim0LayoutGathersCopiesOutAndReduceScattersRows) {
   });
 }
 
+// The same where every parameter's rows divide by the ranks (see [Note: One copy a unit]): the copy-out is one
+// split along the ranks' rows and the first gradient of a backward one concatenation; the values are those of the
+// pieces above (checked against torch.chunk's rows), a parameter without elements included.
+TEST(Scheduler, Dim0LayoutWhoseRowsDivideCopiesInOneOp) {
+  run_ranks(3, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    const std::vector<at::Tensor> originals = {at::arange(12, at::kFloat).view({6, 2}), at::arange(12, 15, at::kFloat),
+                                               at::empty({0, 4}), at::arange(15, 24, at::kFloat).view({3, 3})};
+    const FlatParamLayout layout = FlatParamLayout::dim0({{6, 2}, {3}, {0, 4}, {3, 3}}, 3);
+    ASSERT_TRUE(layout.rows_divide());
+    ASSERT_FALSE(FlatParamLayout::dim0({{5, 2}}, 3).rows_divide());
+    ASSERT_FALSE(FlatParamLayout::dim0({{3, 6}}, 3, {1}).rows_divide());
+    FlatParamOptions options;
+    options.predivide = 3.0;
+    FlatParamHandle unit("unit", layout, rank, originals, options);
+    EXPECT_TRUE(at::equal(unit.local_shard(), chunk_rows_of_rank(originals, layout, rank)));
+    Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
+    scheduler.wait_for_unshard(unit);
+    auto views = unit.views();
+    for (std::size_t i = 0; i < originals.size(); ++i) EXPECT_TRUE(at::equal(views[i], originals[i]));
+    scheduler.reshard(unit);
+    const float r = static_cast<float>(rank + 1);
+    // A transposed (non-contiguous) gradient too: reshaped, not viewed.
+    const at::Tensor transposed = (originals[3] * r).t().contiguous().t();
+    unit.accumulate_grad({originals[0] * r, originals[1] * r, at::zeros({0, 4}), transposed});
+    unit.accumulate_grad({originals[0] * r, at::Tensor(), at::Tensor(), at::Tensor()});
+    scheduler.reduce_grad(unit);
+    scheduler.finish_grad_sync();
+    const std::vector<at::Tensor> averaged = {originals[0] * 4, originals[1] * 2, originals[2],
+                                              originals[3] * 2};
+    EXPECT_TRUE(at::allclose(unit.local_shard().grad(), chunk_rows_of_rank(averaged, layout, rank)));
+  });
+}
+
 TEST(FlatParamHandle, RejectsMismatchedShapesAndNamesTheUnit) {
   FlatParamLayout layout({{3, 2}}, 2);
   try {
