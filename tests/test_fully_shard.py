@@ -25,6 +25,7 @@ runs in one process start (see [Note: One process start per world size] in tests
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -806,3 +807,114 @@ def test_a_parameter_a_forward_left_out_keeps_no_gradient_as_torch():
         for name, want in theirs.items():
             assert (ours[name] is None) == (want is None) and (want is None or torch.equal(ours[name], want)), (
                 f"rank {rank}: {name}")
+
+
+class _Routed(nn.Module):
+    """A block whose second layer only rank 0 runs (data-dependent routing, as mixture-of-experts does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        y = self.a(x)
+        return y + self.b(y) if use_b else y
+
+
+class _RoutedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Routed()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.out(self.block(x, use_b))
+
+
+def _routed_steps(impl: str, rank: int, unused: bool | None, steps: int) -> tuple[list, dict]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from flatshard import fully_shard
+
+    torch.manual_seed(0)
+    model = _RoutedModel()
+    shard = torch_fully_shard if impl == "torch" else fully_shard
+    shard(model.block)
+    shard(model)
+    if unused is not None:
+        model.set_reduce_scatter_unused_params(unused)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(x, use_b=rank == 0).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads = {n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _unused_parameters_reduced(rank: int, world_size: int) -> dict:
+    return {impl: _routed_steps(impl, rank, True, 3) for impl in ("torch", "flatshard")}
+
+
+def test_set_reduce_scatter_unused_params_as_torch():
+    """Rank 1 never runs the block's second layer: with set_reduce_scatter_unused_params(True) every rank holds a
+    .grad for it (zeros from rank 1's side of the sum), and training is torch's FSDP2's, bit for bit (without the
+    call torch's FSDP2 hangs in that reduce-scatter)."""
+    from flatshard.testing import run_distributed
+
+    for rank, out in enumerate(run_distributed(_unused_parameters_reduced, 2, timeout=120)):
+        (their_losses, their_grads, their_params), (our_losses, our_grads, our_params) = out["torch"], out["flatshard"]
+        assert our_losses == their_losses, (rank, our_losses, their_losses)
+        assert their_grads["block.b.weight"] is not None
+        for name, want in their_grads.items():
+            assert (our_grads[name] is None) == (want is None) and (want is None or torch.equal(our_grads[name], want)), (
+                f"rank {rank}: {name}")
+        for name, want in their_params.items():
+            assert torch.equal(our_params[name], want), f"rank {rank}: {name}"
+
+
+def _unused_parameters_left_without_grad(rank: int, world_size: int) -> tuple[list, str, list]:
+    from flatshard import RankDivergenceError, fully_shard
+
+    torch.manual_seed(0)
+    model = _RoutedModel()
+    fully_shard(model.block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    model(x, use_b=rank == 0).square().mean().backward()
+    without = [n for n, p in model.named_parameters() if p.grad is None]
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RankDivergenceError) as raised:  # the guard's next check: the next forward
+        model(x, use_b=rank == 0)
+    # Told once; with the call the ranks agree again and train on.
+    model.set_reduce_scatter_unused_params(True)
+    losses = []
+    for _ in range(2):
+        loss = model(x, use_b=rank == 0).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return without, str(raised.value), losses
+
+
+def test_ranks_that_give_different_parameters_a_gradient_are_stopped_by_the_guard():
+    """[Note: Gradients given on some ranks only]: without set_reduce_scatter_unused_params, rank 1's .grad of the
+    second layer is None where rank 0's is not; the guard's next check raises on both ranks, naming the parameters
+    and the fix, and the loop goes on once the call is made."""
+    from flatshard.testing import run_distributed
+
+    out = run_distributed(_unused_parameters_left_without_grad, 2, timeout=120)
+    assert out[0][0] == [] and out[1][0] == ["block.b.weight", "block.b.bias"], out
+    for without, message, losses in out:
+        assert ("rank 1 left block.b.weight, block.b.bias of 'block' without a gradient while rank 0 left no "
+                "parameter without a gradient") in message, message
+        assert "set_reduce_scatter_unused_params(True)" in message, message
+        assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses

@@ -174,7 +174,7 @@ def _fsdp_class(cls: type) -> type:
 
 # FSDPModule's methods flatshard does not have yet: each raises NotImplementedError naming itself.
 _NOT_YET = ("set_custom_all_gather",
-            "set_custom_reduce_scatter", "set_all_reduce_hook", "set_reduce_scatter_unused_params",
+            "set_custom_reduce_scatter", "set_all_reduce_hook",
             "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
             "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm")
 
@@ -246,6 +246,16 @@ class FSDPModule(TorchFSDPModule):
         for m in self._units(recurse):
             if m._unit_state.handle is not None:
                 m._unit_state.handle.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: after a backward that reduced a unit's gradients, every trainable parameter of it has a ``.grad``, zeros
+        where no rank gave it a gradient, as torch's (for ranks whose forwards use different parameters: mixture of
+        experts, multimodal batches). flatshard's reduction always covers every parameter, so the collectives are the
+        same either way; what changes is which parameters have a ``.grad``. False (the default, torch's): only the
+        parameters this rank's backward gave a gradient to, and the rank guard stops ranks that disagree on which (see
+        [Note: Gradients given on some ranks only] in _rank_guard.py)."""
+        for m in self._units(recurse):
+            m._unit_state.reduce_unused = bool(reduce_scatter_unused_params)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: the parameters stay unsharded after backward, so that the next forward gathers nothing

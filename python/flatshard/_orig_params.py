@@ -106,7 +106,7 @@ def use_grad_views(s: UnitState) -> None:
     # DTensor with an empty local tensor, as torch's FSDP2.)
     for index, view in _grad_targets(s, flat_grad):
         p = params[index]
-        if p.requires_grad and s.orig_grad_seen[index]:
+        if p.requires_grad and (s.orig_grad_seen[index] or s.reduce_unused):
             set_grad(p, _dtensor_params.grad_of(p, view) if as_dtensor else view)
     given = [(p.grad, _data_ptr(p.grad, as_dtensor)) for p in params]
     if any(grad is not None for grad, _ in given):  # (none given: writeback's own check clears the flat gradient)

@@ -13,7 +13,8 @@ checked nor counted; the first backward hook of an iteration (but inside
 ``no_sync(keep_parameters_unsharded=True)``, whose backward gathers nothing); and ``state_dict()``, ``load_state_dict()``, ``summon_full_params()``,
 ``clip_grad_norm_()`` and the optimizer-state-dict functions), every rank exchanges a
 fingerprint of what it is about to do: eight int64 values, Python ints (the phase, how many
-forwards the root ran, grad enabled, inside ``no_sync()``, and a hash of the model as
+forwards the root ran, grad enabled, inside ``no_sync()``, which parameters the last backward left without a
+gradient (see [Note: Gradients given on some ranks only]), and a hash of the model as
 wrapped: every unit's name, parameter shapes, dtype, shard factor, strategy, mixed
 precision and offload). The exchange runs over links of the guard's own (a TCP connection
 to each round's partner, made at lazy init; a two-rank gloo group where one cannot be made:
@@ -66,7 +67,7 @@ __all__ = ["RankDivergenceError"]
 ENV = "FLATSHARD_RANK_GUARD"
 _PHASES = ["forward", "backward", "state_dict()", "load_state_dict()", "summon_full_params()",
            "clip_grad_norm_()", "optim_state_dict()", "optim_state_dict_to_load()"]
-_WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), reserved (2)
+_WIDTH = 8  # int64s per rank: phase, forwards, grad, no_sync, model hash (2), gradient pattern, reserved
 _PAIR = struct.Struct(f"<{2 * _WIDTH}q")  # a round's message: the minimum and the maximum so far
 _LENGTH = struct.Struct("<q")
 
@@ -221,7 +222,7 @@ class RankGuard:
         grad = torch.is_grad_enabled() if phase in ("forward", "backward") else False
         no_sync = not root.unit._unit_state.sync_gradients
         words, description = self._model_fingerprint(root)
-        mine = (_PHASES.index(phase), self.forwards, int(grad), int(no_sync), *words, 0, 0)
+        mine = (_PHASES.index(phase), self.forwards, int(grad), int(no_sync), *words, root.gradient_pattern, 0)
         doing = self._doing(phase, grad)
         _stall_watch.refuse_if_given_up(f"run {doing} of {self.label}")
         _stall_watch.enter(self, self.label, phase, self.forwards + (phase == "forward"))
@@ -242,12 +243,14 @@ class RankGuard:
         if low == high:
             return
         mine_readable = {"phase": phase, "doing": doing, "forwards": self.forwards, "grad": grad, "no_sync": no_sync,
-                         "model": description}
+                         "model": description, "without_grad": _without_grad(root)}
         with collective_range("rank_guard exchange (descriptions)"):
             message = _explain(self.ranks, self._gather_descriptions(mine_readable))
         # Every rank raises here, from the same maximum: they agree on the count from now on, so that a loop that
         # catches the error and skips the batch on every rank goes on (see [Note: Recovering from a divergence]).
         self.forwards = high[1]
+        if low[6] != high[6]:  # told once: the next check compares the next backward's (see [Note: Gradients given ...])
+            root.gradient_pattern = 0
         raise RankDivergenceError(message)
 
     def _min_max(self, mine: tuple[int, ...], what: str) -> tuple[list[int], list[int]]:
@@ -377,6 +380,9 @@ def _explain(ranks: list[int], everyone: list[dict[str, Any]]) -> str:
         return ("runs " if d["phase"] == "forward" else "is at ") + text
 
     groups = _split(ranks, [doing(d) for d in everyone])
+    missing = _split(ranks, [d["without_grad"] for d in everyone])
+    if len(groups) == 1 and len(missing) > 1:  # see [Note: Gradients given on some ranks only]
+        return head + _explain_without_grad(missing)
     if len(groups) > 1:
         def said(text: str, members: list[int]) -> str:
             if len(members) > 1:  # plural verb
@@ -384,6 +390,54 @@ def _explain(ranks: list[int], everyone: list[dict[str, Any]]) -> str:
             return f"{_ranks_text(members)} {text}"
         return head + " while ".join(said(text, members) for text, members in groups) + "."
     return head + _explain_models(ranks, [d["model"] for d in everyone])
+
+
+# [Note: Gradients given on some ranks only]
+# A fully_shard unit reduces its whole gradient on every rank, zeros for the parameters a rank's backward left out, so
+# its collectives match whichever parameters each rank used. Which parameters then get a ``.grad`` is torch FSDP2's
+# rule: those the rank's backward gave a gradient to (a parameter no rank used keeps None), or, after
+# ``set_reduce_scatter_unused_params(True)``, every trainable one. Under the first, ranks that used different
+# parameters (data-dependent routing) would hold a ``.grad`` for a parameter on some ranks and None on others: their
+# optimizers would step its shards differently, silently (torch's FSDP2 hangs in that reduce-scatter instead). So
+# the end of each backward records, when the guard is on, a digest of which trainable parameters of the reduced units
+# were left without a gradient (``gradient_pattern``: nothing to hash when every one got one), and the guard's next
+# check (the next forward, or clip_grad_norm_, state_dict, ...) compares it with the others' in the fingerprint's
+# seventh word: no exchange of its own. Ranks that differ raise, naming the parameters and the fix. It is one step
+# late for the optimizer step between (which the user's code runs); the error says so.
+
+
+def gradient_pattern(root: RootState) -> int:
+    """The digest of ``_without_grad(root)`` (0 when every reduced trainable parameter got a gradient)."""
+    missing = _without_grad(root)
+    return hash(tuple((unit, tuple(names)) for unit, names in missing)) if missing else 0
+
+
+def _without_grad(root: RootState) -> list[tuple[str, list[str]]]:
+    """(unit, its trainable parameters this rank's last backward gave no gradient to) for each fully_shard unit that
+    reduced, in unit order, unless set_reduce_scatter_unused_params gives them one."""
+    out = []
+    for u in root.units:
+        s = u._unit_state
+        if not s.config.dim0_layout or s.reduce_unused or all(s.orig_grad_seen) or s.flat_param.grad is None:
+            continue
+        prefix = f"{s.name}." if s.name else ""
+        names = [prefix + name for name, p, seen in zip(s.param_local_names, s.orig_params, s.orig_grad_seen)
+                 if p.requires_grad and not seen]
+        if names:
+            out.append((s.label, names))
+    return out
+
+
+def _explain_without_grad(groups: list[tuple[Any, list[int]]]) -> str:
+    parts = []
+    for missing, members in groups:
+        left = "; ".join(f"{', '.join(names)} of '{unit}'" for unit, names in missing) or "no parameter"
+        parts.append(f"{_ranks_text(members)} left {left} without a gradient")
+    return ("in the last backward " + " while ".join(parts) + ", so the ranks hold a .grad for different parameters "
+            "and their optimizers step those parameters' shards differently (the step after that backward already "
+            "did: restore from a checkpoint). Where ranks use different parameters (data-dependent routing), call "
+            "set_reduce_scatter_unused_params(True) on the fully_shard modules: every trainable parameter then gets a "
+            ".grad, zeros where no rank gave one (torch's FSDP2 needs the same call; without it it hangs there).")
 
 
 def _explain_models(ranks: list[int], models: list[list[dict[str, Any]]]) -> str:

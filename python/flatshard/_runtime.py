@@ -787,6 +787,8 @@ def finish_backward(root: RootState) -> None:
                 reshard(s)
             if s.config.use_orig_params and s.sync_gradients:  # (reduced, whether or not the unit reshards)
                 _orig_params.use_grad_views(s)
+    if root.guard is not None:  # see [Note: Gradients given on some ranks only] in _rank_guard.py
+        root.gradient_pattern = _rank_guard.gradient_pattern(root)
 
 
 def abort_backward(root: RootState) -> None:

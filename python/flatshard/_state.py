@@ -110,6 +110,7 @@ class UnitState:
         "frozen_indices",  # use_orig_params: frozen parameters of a trainable unit
         "orig_params",  # use_orig_params: the original nn.Parameters, in flat order
         "orig_grad_seen",  # use_orig_params: which got a gradient this iteration
+        "reduce_unused",  # fully_shard's set_reduce_scatter_unused_params: every trainable parameter gets a .grad
         "orig_grads_given",  # use_orig_params: (the flat gradient, [(each .grad given from it, its data_ptr)]) at
         # the last use_grad_views, or None (see _orig_params.write_back_grads)
         "buffer_orig_dtypes",  # (module, buffer name) -> dtype before buffer_dtype's cast
@@ -165,6 +166,7 @@ class UnitState:
         self.frozen_indices: list[int] = []
         self.orig_params: list[nn.Parameter] = []
         self.orig_grad_seen: list[bool] = []
+        self.reduce_unused = False
         self.orig_grads_given: tuple[torch.Tensor, list[tuple[torch.Tensor | None, int]]] | None = None
         self.buffer_orig_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
 
@@ -226,6 +228,8 @@ class RootState:
         "orig_param_units",  # the units with use_orig_params and parameters
         "sharded_handles",  # the handles of the units that all-gather (not replicated)
         "guard",  # the RankGuard, or None (off)
+        "gradient_pattern",  # the guard's digest of which parameters got a .grad in the last backward (see
+        # [Note: Gradients given on some ranks only] in _rank_guard.py)
         # --- per iteration (see [Note: Unit lifecycle] in _runtime.py)
         "in_iteration",  # a forward ran and its backward has not ended
         "in_forward_call",  # the root's forward is running (summoning then is refused)
@@ -252,6 +256,7 @@ class RootState:
         self.sharded_handles = [u._unit_state.handle for u in units
                                 if u._unit_state.handle is not None and not u._unit_state.replicated]
         self.guard: RankGuard | None = None
+        self.gradient_pattern = 0
         self.in_iteration = False
         self.in_forward_call = False
         self.final_callback_queued = False
