@@ -226,6 +226,23 @@ static at::Tensor chunk_rows_of_rank(const std::vector<at::Tensor>& tensors, con
   return at::cat(slots);
 }
 
+static FlatParamOptions averaged_over(int ranks) {
+  FlatParamOptions options;
+  options.predivide = static_cast<double>(ranks);
+  return options;
+}
+
+// A dim-0 unit's shard is each parameter's torch.chunk rows (then zero rows), and once gathered its views are the
+// originals.
+static void expect_chunk_rows_then_originals(FlatParamHandle& unit, Scheduler& scheduler,
+                                             const std::vector<at::Tensor>& originals, const FlatParamLayout& layout,
+                                             int rank) {
+  EXPECT_TRUE(at::equal(unit.local_shard(), chunk_rows_of_rank(originals, layout, rank)));
+  scheduler.wait_for_unshard(unit);
+  auto views = unit.views();
+  for (std::size_t i = 0; i < originals.size(); ++i) EXPECT_TRUE(at::equal(views[i], originals[i]));
+}
+
 // The dim-0 layout over 3 ranks with rows that do not divide (see [Note: Dim-0 layout], [Note: Copy-out]):
 // each rank's shard holds its torch.chunk rows of each parameter (then zero rows), the unsharded parameters
 // are the originals (and alias no gathered buffer, which is gone after the copy-out), and the gradient
@@ -235,15 +252,10 @@ TEST(Scheduler, Dim0LayoutGathersCopiesOutAndReduceScattersRows) {
     const std::vector<at::Tensor> originals = {at::arange(10, at::kFloat).view({5, 2}), at::arange(10, 14, at::kFloat),
                                                at::arange(14, 15, at::kFloat)};
     const FlatParamLayout layout = FlatParamLayout::dim0({{5, 2}, {4}, {1}}, 3);
-    FlatParamOptions options;
-    options.predivide = 3.0;
-    FlatParamHandle unit("unit", layout, rank, originals, options);
-    // The shard: per parameter, its chunk rows padded to c rows (c = 2, 2, 1).
-    EXPECT_TRUE(at::equal(unit.local_shard(), chunk_rows_of_rank(originals, layout, rank)));
+    FlatParamHandle unit("unit", layout, rank, originals, averaged_over(3));
     Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
-    scheduler.wait_for_unshard(unit);
-    auto views = unit.views();
-    for (std::size_t i = 0; i < originals.size(); ++i) EXPECT_TRUE(at::equal(views[i], originals[i]));
+    // The shard: per parameter, its chunk rows padded to c rows (c = 2, 2, 1).
+    expect_chunk_rows_then_originals(unit, scheduler, originals, layout, rank);
     EXPECT_EQ(unit.unsharded().storage().nbytes(), 0u);  // the gathered buffer went with the copy-out
     EXPECT_TRUE(unit.has_unsharded_storage());
     scheduler.reshard(unit);
@@ -271,14 +283,9 @@ TEST(Scheduler, Dim0LayoutWhoseRowsDivideCopiesInOneOp) {
     ASSERT_TRUE(layout.rows_divide());
     ASSERT_FALSE(FlatParamLayout::dim0({{5, 2}}, 3).rows_divide());
     ASSERT_FALSE(FlatParamLayout::dim0({{3, 6}}, 3, {1}).rows_divide());
-    FlatParamOptions options;
-    options.predivide = 3.0;
-    FlatParamHandle unit("unit", layout, rank, originals, options);
-    EXPECT_TRUE(at::equal(unit.local_shard(), chunk_rows_of_rank(originals, layout, rank)));
+    FlatParamHandle unit("unit", layout, rank, originals, averaged_over(3));
     Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
-    scheduler.wait_for_unshard(unit);
-    auto views = unit.views();
-    for (std::size_t i = 0; i < originals.size(); ++i) EXPECT_TRUE(at::equal(views[i], originals[i]));
+    expect_chunk_rows_then_originals(unit, scheduler, originals, layout, rank);
     scheduler.reshard(unit);
     const float r = static_cast<float>(rank + 1);
     // A transposed (non-contiguous) gradient too: reshaped, not viewed.
