@@ -409,7 +409,10 @@ def _explain(ranks: list[int], everyone: list[dict[str, Any]]) -> str:
 def gradient_pattern(root: RootState) -> int:
     """The digest of ``_without_grad(root)`` (0 when every reduced trainable parameter got a gradient)."""
     missing = _without_grad(root)
-    return hash(tuple((unit, tuple(names)) for unit, names in missing)) if missing else 0
+    if not missing:
+        return 0
+    # (blake2b, not hash(): str hashes differ between processes)
+    return int.from_bytes(hashlib.blake2b(repr(missing).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _without_grad(root: RootState) -> list[tuple[str, list[str]]]:
