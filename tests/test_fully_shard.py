@@ -935,7 +935,9 @@ from flatshard import _rank_guard
 p = NS(requires_grad=True)
 s = NS(config=NS(dim0_layout=True), reduce_unused=False, orig_grad_seen=[True, False], flat_param=NS(grad=object()),
        name="block", param_local_names=["a.weight", "b.weight"], orig_params=[p, p], label="block")
-print(_rank_guard.gradient_pattern(NS(units=[NS(_unit_state=s)])))
+root = NS(units=[NS(_unit_state=s)])
+_rank_guard.record_gradient_pattern(root)
+print(root.gradient_pattern, root.without_grad)
 """
 
 
@@ -948,4 +950,29 @@ def test_the_gradient_pattern_is_the_same_in_every_process():
 
     digests = [subprocess.run([sys.executable, "-c", _PATTERN_OF_A_FAKE_ROOT], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")]
-    assert digests[0] == digests[1] and digests[0] not in ("", "0"), digests
+    assert digests[0] == digests[1] and digests[0].endswith("[('block', ['block.b.weight'])]"), digests
+    assert not digests[0].startswith("0 "), digests
+
+
+def _create_graph_backward(rank: int, world_size: int) -> list[tuple[str, bool]]:
+    """The same step with backward(create_graph=True) and with a plain backward: the same gradients (the block's rows
+    divide by 2: its gradients are flattened by one cat, which refuses inputs that require grad; the root's do not)."""
+    from flatshard import fully_shard
+
+    grads = []
+    for create_graph in (False, True):
+        torch.manual_seed(0)
+        model = _RoutedModel()
+        fully_shard(model.block)
+        fully_shard(model)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+        model(x, use_b=True).square().mean().backward(create_graph=create_graph)
+        grads.append({n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()})
+    return [(n, torch.equal(g, grads[1][n])) for n, g in grads[0].items()]
+
+
+def test_a_backward_that_creates_a_graph_gives_the_same_gradients():
+    from flatshard.testing import run_distributed
+
+    for same in run_distributed(_create_graph_backward, 2, timeout=120):
+        assert all(equal for _, equal in same), same

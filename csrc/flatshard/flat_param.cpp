@@ -2,6 +2,7 @@
 
 #include "flatshard/dim0_rows.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
@@ -310,6 +311,9 @@ void FlatParamHandle::set_reduce_prefix(std::int64_t numel) {
 void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
   TORCH_CHECK(static_cast<std::int64_t>(grads.size()) == layout_.num_params(), "flatshard: unit '",
               name_, "': expected ", layout_.num_params(), " gradients but got ", grads.size());
+  // A backward with create_graph=True hands over gradients that require grad: the flat gradient is data (it is
+  // reduced and becomes `.grad`), and out= ops (the fused flatten's cat) refuse inputs that require grad.
+  at::NoGradGuard no_grad;
   if (layout_.kind() == LayoutKind::kDim0) {  // rank-major: see flatten
     // With a trainable prefix, in the trainable parameters' own layout (see [Note: Trainable prefix]).
     const FlatParamLayout& into_layout = prefix_layout_.has_value() ? *prefix_layout_ : layout_;

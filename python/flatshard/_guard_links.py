@@ -173,29 +173,32 @@ def make_link(prefix: str, slot: int, timeout: timedelta) -> SocketLink | GlooLi
         store.set(f"failed/{slot}", str(e)[:200])
     if sock is None and not store.check([f"failed/{slot}"]):
         store.set(f"failed/{slot}", "no connection")
+    partner_gave_up = False
     if sock is not None:
         # Both ends agree before using it: a connection one end gave up on is not used by the other.
         store.set(f"ready/{slot}", "1")
         if _first_of(store, [f"ready/{1 - slot}", f"failed/{1 - slot}"], deadline) != f"ready/{1 - slot}":
             sock.close()
             sock = None
+            partner_gave_up = True
     if sock is None:
         logger.warning("flatshard: the rank guard's link %r (this rank's end: %d) falls back to a gloo pair, "
-                       "which costs a gloo group per link: %s", prefix, slot, _why_no_connection(store, slot))
+                       "which costs a gloo group per link: %s", prefix, slot,
+                       _why_no_connection(store, slot, partner_gave_up))
         group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), slot, 2, timeout)
         return GlooLink(group, slot)
     return SocketLink(sock, timeout)
 
 
-def _why_no_connection(store: Any, slot: int) -> str:
+def _why_no_connection(store: Any, slot: int, partner_gave_up: bool) -> str:
     """What each end of a pair recorded on giving up its connection (the OSError, or "no connection"), for the
     fallback's warning."""
-    said = []
-    for end in (slot, 1 - slot):
+    def recorded(end: int) -> str | None:
         key = f"failed/{end}"
-        reason = store.get(key).decode(errors="replace") if store.check([key]) else "nothing recorded"
-        said.append(f"{'this end' if end == slot else 'the partner'}: {reason}")
-    return "; ".join(said)
+        return store.get(key).decode(errors="replace") if store.check([key]) else None
+
+    mine = "connected, but the partner gave up" if partner_gave_up else (recorded(slot) or "no connection")
+    return f"this end: {mine}; the partner: {recorded(1 - slot) or 'nothing recorded (yet)'}"
 
 
 def _first_of(store: Any, keys: list[str], deadline: float) -> str | None:

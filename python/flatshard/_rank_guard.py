@@ -243,14 +243,14 @@ class RankGuard:
         if low == high:
             return
         mine_readable = {"phase": phase, "doing": doing, "forwards": self.forwards, "grad": grad, "no_sync": no_sync,
-                         "model": description, "without_grad": _without_grad(root)}
+                         "model": description, "without_grad": root.without_grad}
         with collective_range("rank_guard exchange (descriptions)"):
             message = _explain(self.ranks, self._gather_descriptions(mine_readable))
         # Every rank raises here, from the same maximum: they agree on the count from now on, so that a loop that
         # catches the error and skips the batch on every rank goes on (see [Note: Recovering from a divergence]).
         self.forwards = high[1]
         if low[6] != high[6]:  # told once: the next check compares the next backward's (see [Note: Gradients given ...])
-            root.gradient_pattern = 0
+            root.gradient_pattern, root.without_grad = 0, []
         raise RankDivergenceError(message)
 
     def _min_max(self, mine: tuple[int, ...], what: str) -> tuple[list[int], list[int]]:
@@ -402,33 +402,32 @@ def _explain(ranks: list[int], everyone: list[dict[str, Any]]) -> str:
 # the end of each backward records, when the guard is on, a digest of which trainable parameters of the reduced units
 # were left without a gradient (``gradient_pattern``: nothing to hash when every one got one), and the guard's next
 # check (the next forward, or clip_grad_norm_, state_dict, ...) compares it with the others' in the fingerprint's
-# seventh word: no exchange of its own. Ranks that differ raise, naming the parameters and the fix. It is one step
-# late for the optimizer step between (which the user's code runs); the error says so.
+# seventh word: no exchange of its own. Ranks that differ raise, naming the parameters and the fix. Where that check
+# is the next forward, the optimizer step between (the user's code) has run on the different gradients; the error
+# says so. With gradient accumulation that reduces every micro-batch (FSDP2's default) the check compares each
+# backward's parameters, so routing that differs per micro-batch raises even where the sums at the end would give
+# every rank the same ones: torch's FSDP2 hangs at the first such micro-batch; the call is the fix for both.
 
 
-def gradient_pattern(root: RootState) -> int:
-    """The digest of ``_without_grad(root)`` (0 when every reduced trainable parameter got a gradient)."""
-    missing = _without_grad(root)
-    if not missing:
-        return 0
-    # (blake2b, not hash(): str hashes differ between processes)
-    return int.from_bytes(hashlib.blake2b(repr(missing).encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def _without_grad(root: RootState) -> list[tuple[str, list[str]]]:
-    """(unit, its trainable parameters this rank's last backward gave no gradient to) for each fully_shard unit that
-    reduced, in unit order, unless set_reduce_scatter_unused_params gives them one."""
-    out = []
-    for u in root.units:
+def record_gradient_pattern(root: RootState) -> None:
+    """At the end of a backward: which trainable parameters of each reduced fully_shard unit this rank's backward gave
+    no gradient to (``root.without_grad``: unit label and parameter names, for the error) and its digest
+    (``root.gradient_pattern``: unit and parameter indices, as [Note: What the guard hashes] wants; 0 when every one
+    got one). Units whose set_reduce_scatter_unused_params gives every parameter a gradient are left out."""
+    indices, named = [], []
+    for position, u in enumerate(root.units):
         s = u._unit_state
         if not s.config.dim0_layout or s.reduce_unused or all(s.orig_grad_seen) or s.flat_param.grad is None:
             continue
-        prefix = f"{s.name}." if s.name else ""
-        names = [prefix + name for name, p, seen in zip(s.param_local_names, s.orig_params, s.orig_grad_seen)
-                 if p.requires_grad and not seen]
-        if names:
-            out.append((s.label, names))
-    return out
+        left = [i for i, (p, seen) in enumerate(zip(s.orig_params, s.orig_grad_seen)) if p.requires_grad and not seen]
+        if left:
+            prefix = f"{s.name}." if s.name else ""
+            indices.append((position, left))
+            named.append((s.label, [prefix + s.param_local_names[i] for i in left]))
+    root.without_grad = named
+    # (blake2b, not hash(): str hashes differ between processes; these are ints, but the digest must not depend on it)
+    root.gradient_pattern = (int.from_bytes(hashlib.blake2b(repr(indices).encode(), digest_size=8).digest(), "little",
+                                            signed=True) if indices else 0)
 
 
 def _explain_without_grad(groups: list[tuple[Any, list[int]]]) -> str:
@@ -437,8 +436,8 @@ def _explain_without_grad(groups: list[tuple[Any, list[int]]]) -> str:
         left = "; ".join(f"{', '.join(names)} of '{unit}'" for unit, names in missing) or "no parameter"
         parts.append(f"{_ranks_text(members)} left {left} without a gradient")
     return ("in the last backward " + " while ".join(parts) + ", so the ranks hold a .grad for different parameters "
-            "and their optimizers step those parameters' shards differently (the step after that backward already "
-            "did: restore from a checkpoint). Where ranks use different parameters (data-dependent routing), call "
+            "and their optimizers would step those parameters' shards differently (if an optimizer step ran since that "
+            "backward, it did: restore from a checkpoint). Where ranks use different parameters (data-dependent routing), call "
             "set_reduce_scatter_unused_params(True) on the fully_shard modules: every trainable parameter then gets a "
             ".grad, zeros where no rank gave one (torch's FSDP2 needs the same call; without it it hangs there).")
 

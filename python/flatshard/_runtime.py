@@ -602,8 +602,10 @@ def hand_out_views(s: UnitState, views: list[torch.Tensor]) -> None:
 
 def live_uses(s: UnitState) -> list[Use]:
     """The unit's uses still alive: a snapshot of ``s.uses`` through its set of weak references (iterating the
-    WeakSet itself costs microseconds a call, and this runs in every post-backward)."""
-    return [use for ref in tuple(s.uses.data) if (use := ref()) is not None]
+    WeakSet itself costs microseconds a call, and this runs in every post-backward). ``list``, not ``tuple``: tuple()
+    allocates its result after making the set's iterator, and on Python < 3.12 that allocation may collect garbage,
+    which may remove a dead use from the set under the iterator; list() grows without a collectable allocation."""
+    return [use for ref in list(s.uses.data) if (use := ref()) is not None]
 
 
 def has_pending_uses(s: UnitState) -> bool:
@@ -788,7 +790,7 @@ def finish_backward(root: RootState) -> None:
             if s.config.use_orig_params and s.sync_gradients:  # (reduced, whether or not the unit reshards)
                 _orig_params.use_grad_views(s)
     if root.guard is not None:  # see [Note: Gradients given on some ranks only] in _rank_guard.py
-        root.gradient_pattern = _rank_guard.gradient_pattern(root)
+        _rank_guard.record_gradient_pattern(root)
 
 
 def abort_backward(root: RootState) -> None:

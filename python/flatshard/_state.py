@@ -230,6 +230,7 @@ class RootState:
         "guard",  # the RankGuard, or None (off)
         "gradient_pattern",  # the guard's digest of which parameters got a .grad in the last backward (see
         # [Note: Gradients given on some ranks only] in _rank_guard.py)
+        "without_grad",  # those parameters' names, for the guard's error
         # --- per iteration (see [Note: Unit lifecycle] in _runtime.py)
         "in_iteration",  # a forward ran and its backward has not ended
         "in_forward_call",  # the root's forward is running (summoning then is refused)
@@ -257,6 +258,7 @@ class RootState:
                                 if u._unit_state.handle is not None and not u._unit_state.replicated]
         self.guard: RankGuard | None = None
         self.gradient_pattern = 0
+        self.without_grad: list[tuple[str, list[str]]] = []
         self.in_iteration = False
         self.in_forward_call = False
         self.final_callback_queued = False
