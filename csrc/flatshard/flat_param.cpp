@@ -72,21 +72,18 @@ at::Tensor FlatParamHandle::flatten(const std::vector<at::Tensor>& tensors, cons
               "flatshard.flatten: expected ", layout.num_params(), " tensors but got ",
               tensors.size());
   if (layout.kind() == LayoutKind::kDim0 && layout.shard_factor() > 1) {  // rank-major rows: see [Note: Dim-0 layout]
-    if (layout.rows_divide() &&
-        std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined(); })) {
-      for (std::int64_t i = 0; i < layout.num_params(); ++i) {
-        TORCH_CHECK(tensors[i].numel() == layout.numels()[i], "flatshard.flatten: tensor ", i, " has shape ",
-                    shape_str(tensors[i].sizes()), " but the layout expects ", shape_str(layout.shapes()[i]));
-      }
-      return rank_major(tensors, layout, options);  // see [Note: One copy a unit] in dim0_rows.h
-    }
-    at::Tensor flat = at::zeros({layout.padded_numel()}, options);
+    bool all_defined = true;
     for (std::int64_t i = 0; i < layout.num_params(); ++i) {
       const at::Tensor& t = tensors[i];
-      if (!t.defined()) continue;
-      TORCH_CHECK(t.numel() == layout.numels()[i], "flatshard.flatten: tensor ", i, " has shape ",
+      all_defined = all_defined && t.defined();
+      TORCH_CHECK(!t.defined() || t.numel() == layout.numels()[i], "flatshard.flatten: tensor ", i, " has shape ",
                   shape_str(t.sizes()), " but the layout expects ", shape_str(layout.shapes()[i]));
-      for (auto& [into, from] : dim0_row_pieces(flat, layout, i, t.contiguous())) into.copy_(from);
+    }
+    if (layout.rows_divide() && all_defined) return rank_major(tensors, layout, options);  // [Note: One copy a unit]
+    at::Tensor flat = at::zeros({layout.padded_numel()}, options);
+    for (std::int64_t i = 0; i < layout.num_params(); ++i) {
+      if (!tensors[i].defined()) continue;
+      for (auto& [into, from] : dim0_row_pieces(flat, layout, i, tensors[i].contiguous())) into.copy_(from);
     }
     return flat;
   }

@@ -108,9 +108,8 @@ def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor,
     base = flat_grad.storage_offset()
     given = []
     any_given = False
-    every = s.reduce_unused  # (set_reduce_scatter_unused_params)
     for p, (start, _numel, shape, _dim, strides), seen in zip(s.orig_params, _rows(s), s.orig_grad_seen):
-        if (seen or every) and p.requires_grad:
+        if seen and p.requires_grad:
             local = flat_grad.as_strided(shape, strides, base + start)
             grad = grad_of(p, local)
             p.grad = grad

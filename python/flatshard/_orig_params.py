@@ -106,7 +106,7 @@ def use_grad_views(s: UnitState) -> None:
     # DTensor with an empty local tensor, as torch's FSDP2.)
     for index, view in _grad_targets(s, flat_grad):
         p = params[index]
-        if p.requires_grad and (s.orig_grad_seen[index] or s.reduce_unused):
+        if p.requires_grad and s.orig_grad_seen[index]:
             set_grad(p, _dtensor_params.grad_of(p, view) if as_dtensor else view)
     given = [(p.grad, _data_ptr(p.grad, as_dtensor)) for p in params]
     if any(grad is not None for grad, _ in given):  # (none given: writeback's own check clears the flat gradient)
@@ -126,13 +126,9 @@ def _grads_as_given(s: UnitState, flat: torch.Tensor) -> bool:
     given = s.orig_grads_given
     if given is None or flat.grad is not given[0]:
         return False
-    if s.config.dim0_layout:
-        for p, (grad, ptr) in zip(s.orig_params, given[1]):
-            if p.grad is not grad or (grad is not None and grad._local_tensor.data_ptr() != ptr):
-                return False
-        return True
+    as_dtensor = s.config.dim0_layout
     for p, (grad, ptr) in zip(s.orig_params, given[1]):
-        if p.grad is not grad or (grad is not None and grad.data_ptr() != ptr):
+        if p.grad is not grad or (grad is not None and (grad._local_tensor if as_dtensor else grad).data_ptr() != ptr):
             return False
     return True
 
@@ -151,8 +147,9 @@ def set_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
 def note_grads(s: UnitState, grads: tuple[torch.Tensor | None, ...]) -> None:
     """In post-backward: which parameters got a gradient (the others keep ``.grad = None``)."""
     seen = s.orig_grad_seen
+    every = s.reduce_unused  # fully_shard's set_reduce_scatter_unused_params: each one, as if it got one
     for i, g in enumerate(grads):
-        if g is not None:
+        if every or g is not None:
             seen[i] = True
 
 

@@ -413,11 +413,11 @@ def record_gradient_pattern(root: RootState) -> None:
     """At the end of a backward: which trainable parameters of each reduced fully_shard unit this rank's backward gave
     no gradient to (``root.without_grad``: unit label and parameter names, for the error) and its digest
     (``root.gradient_pattern``: unit and parameter indices, as [Note: What the guard hashes] wants; 0 when every one
-    got one). Units whose set_reduce_scatter_unused_params gives every parameter a gradient are left out."""
+    got one; set_reduce_scatter_unused_params counts every parameter as given one: see _orig_params.note_grads)."""
     indices, named = [], []
     for position, u in enumerate(root.units):
         s = u._unit_state
-        if not s.config.dim0_layout or s.reduce_unused or all(s.orig_grad_seen) or s.flat_param.grad is None:
+        if not s.config.dim0_layout or all(s.orig_grad_seen) or s.flat_param.grad is None:
             continue
         left = [i for i, (p, seen) in enumerate(zip(s.orig_params, s.orig_grad_seen)) if p.requires_grad and not seen]
         if left:

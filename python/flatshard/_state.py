@@ -110,7 +110,7 @@ class UnitState:
         "frozen_indices",  # use_orig_params: frozen parameters of a trainable unit
         "orig_params",  # use_orig_params: the original nn.Parameters, in flat order
         "orig_grad_seen",  # use_orig_params: which got a gradient this iteration
-        "reduce_unused",  # fully_shard's set_reduce_scatter_unused_params: every trainable parameter gets a .grad
+        "reduce_unused",  # fully_shard's set_reduce_scatter_unused_params: every parameter counts as seen
         "orig_grads_given",  # use_orig_params: (the flat gradient, [(each .grad given from it, its data_ptr)]) at
         # the last use_grad_views, or None (see _orig_params.write_back_grads)
         "buffer_orig_dtypes",  # (module, buffer name) -> dtype before buffer_dtype's cast
