@@ -19,8 +19,9 @@ see [Note: fp32 Adam parity margin] in models.py). The optimizer state dict is c
 against the single-process optimizer's state only: torch's FSDP1 (2.13) returns ``exp_avg``
 equal to ``exp_avg_sq`` for these parameters. Where torch's FSDP1 itself goes wrong, the
 single-process run is the only oracle: replacing a parameter's ``.data`` between iterations
-(torch's losses then differ from the unwrapped model's) and a LoRA model at world size 1
-(torch raises "as_params=True type(prim_param)=Tensor").
+(torch's losses then differ from the unwrapped model's), a LoRA model at world size 1
+(torch raises "as_params=True type(prim_param)=Tensor") and a second backward through a kept
+graph after a zero_grad (torch's leaves every ``.grad`` None).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _cfg(strategy="FULL_SHARD", *, accum=None, model="gpt", edit=None, torch_ora
 CONFIGS = {
     1: [_cfg(), _cfg(model="lora", torch_oracle=False), _cfg(edit="data")],
     2: [_cfg(), _cfg("SHARD_GRAD_OP"), _cfg("NO_SHARD"), _cfg(accum="no_sync"), _cfg(model="lora"),
-        _cfg("SHARD_GRAD_OP", model="lora"), _cfg(edit="data"), _cfg(edit="grad_none")],
+        _cfg("SHARD_GRAD_OP", model="lora"), _cfg(edit="data"), _cfg(edit="grad_none"),
+        _cfg(edit="backward_again", torch_oracle=False)],
     4: [_cfg(), _cfg("NO_SHARD", model="lora", torch_oracle=False), _cfg(accum="no_sync"), _cfg(edit="data")],
 }
 
@@ -124,6 +126,11 @@ def _train(rank, world_size, impl, cfg) -> dict:
             loss = first.detach() + second.detach()
         else:
             loss = gpt_loss(model, *local)
+            if cfg["edit"] == "backward_again" and step == 1:
+                # The step's gradients from a second backward through the kept graph, after a zero_grad: none of the
+                # first's may remain (torch's FSDP1 leaves every .grad None then: the unwrapped model is the oracle)
+                loss.backward(retain_graph=True)
+                opt.zero_grad()
             loss.backward()
         if grad_shapes is None:
             grad_shapes = [(n, None if p.grad is None else tuple(p.grad.shape)) for n, p in model.named_parameters()]

@@ -25,6 +25,7 @@ in _orig_params.py, whose functions hand over to these for a unit with ``config.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from weakref import ref
 
 import torch
 from torch import nn
@@ -104,7 +105,8 @@ def use_sharded_views(s: UnitState) -> None:
 def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor, list] | None:
     """``_orig_params.use_grad_views`` for a gradient shard of the parameters' dtype (the common case, once a unit
     after every backward): each parameter that got a gradient this iteration gets ``grad_of`` its rows as its
-    ``.grad``, the others None; returns what ``s.orig_grads_given`` records (None when no gradient was given)."""
+    ``.grad``, the others None; returns what ``s.orig_grads_given`` records (None when no gradient was given): weak
+    references, see [Note: A gradient set to None is freed] in _orig_params.py."""
     base = flat_grad.storage_offset()
     given = []
     any_given = False
@@ -113,12 +115,12 @@ def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor,
             local = flat_grad.as_strided(shape, strides, base + start)
             grad = grad_of(p, local)
             p.grad = grad
-            given.append((grad, local.data_ptr()))
+            given.append((ref(grad), local.data_ptr()))
             any_given = True
         else:
             p.grad = None
             given.append((None, 0))
-    return (flat_grad, given) if any_given else None
+    return (ref(flat_grad), given) if any_given else None
 
 
 def grad_of(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,32 @@ As torch's FSDP1 with ``use_orig_params=True``:
   gradient (torch's FSDP1 reduces the frozen span's zeros too): see
   [Note: Trainable prefix] in csrc/flatshard/flat_param.h. A unit of shard
   factor 1, or one with a communication hook, reduces the whole gradient.
+
+[Note: A gradient set to None is freed]
+torch's FSDP2 frees a gradient when ``zero_grad()`` sets ``.grad`` to None:
+between steps (evaluation, an RL loop's generation) a rank holds no gradient
+memory. fully_shard's ``.grad`` s are views of one gradient shard per unit, so
+after a backward the unit lets go of that shard (``flat_param.grad = None``)
+and the views alone keep it alive (each view holds its base); what
+``use_grad_views`` records of them (``orig_grads_given``) is weak references.
+Setting every ``.grad`` of the unit to None frees the shard then, not at the
+next forward. ``write_back_grads`` takes the shard back (``flat_param.grad``)
+while every ``.grad`` is still the view it was given: the next backward
+accumulates into it, as torch's adds into ``.grad``. The class keeps holding it
+as torch's FSDP1 does (``flat_param.grad`` until the next forward).
+
+Whatever reads or adds into ``flat_param.grad`` calls ``write_back_grads``
+first: the next forward (the root's pre-forward), a backward that starts
+without a forward since the last one ended (a retained graph's second backward:
+its gradients add into the ``.grad`` s, or start from zero after a
+``zero_grad``; see ``queue_end_of_backward`` in _runtime.py), and what reads the
+gradients between steps (``clip_grad_norm_``, summoning, moving the shards).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from weakref import ref
 
 import torch
 from torch import nn
@@ -96,6 +117,8 @@ def use_grad_views(s: UnitState) -> None:
     s.orig_grads_given = None
     if flat_grad is not None and s.config.dim0_layout and flat_grad.dtype == s.flat_param.dtype:
         s.orig_grads_given = _dtensor_params.use_grad_views(s, flat_grad)
+        if s.orig_grads_given is not None:  # see [Note: A gradient set to None is freed]
+            s.flat_param.grad = None
         return
     for p in params:
         p.grad = None
@@ -108,9 +131,9 @@ def use_grad_views(s: UnitState) -> None:
         p = params[index]
         if p.requires_grad and s.orig_grad_seen[index]:
             set_grad(p, _dtensor_params.grad_of(p, view) if as_dtensor else view)
-    given = [(p.grad, _data_ptr(p.grad, as_dtensor)) for p in params]
+    given = [(None if p.grad is None else ref(p.grad), _data_ptr(p.grad, as_dtensor)) for p in params]
     if any(grad is not None for grad, _ in given):  # (none given: writeback's own check clears the flat gradient)
-        s.orig_grads_given = (flat_grad, given)
+        s.orig_grads_given = (ref(flat_grad), given)
 
 
 def _data_ptr(grad: torch.Tensor | None, as_dtensor: bool) -> int:
@@ -122,14 +145,24 @@ def _data_ptr(grad: torch.Tensor | None, as_dtensor: bool) -> int:
 def _grads_as_given(s: UnitState, flat: torch.Tensor) -> bool:
     """Whether every parameter's ``.grad`` is still what ``use_grad_views`` gave it, on the same memory, and the flat
     gradient the same: what was done to them since was done in place, on the flat gradient (the common case, an
-    optimizer's step and in-place clipping: writeback's check per parameter costs a fraction of a microsecond)."""
+    optimizer's step and in-place clipping: writeback's check per parameter costs a fraction of a microsecond). Then
+    the flat gradient is ``flat.grad`` again (see [Note: A gradient set to None is freed])."""
     given = s.orig_grads_given
-    if given is None or flat.grad is not given[0]:
+    if given is None:
+        return False
+    flat_grad = given[0]()
+    if flat_grad is None or (flat.grad is not None and flat.grad is not flat_grad):
         return False
     as_dtensor = s.config.dim0_layout
-    for p, (grad, ptr) in zip(s.orig_params, given[1]):
-        if p.grad is not grad or (grad is not None and (grad._local_tensor if as_dtensor else grad).data_ptr() != ptr):
+    for p, (grad_ref, ptr) in zip(s.orig_params, given[1]):
+        grad = p.grad
+        if grad_ref is None:
+            if grad is not None:
+                return False
+        elif grad is None or grad is not grad_ref() or (grad._local_tensor if as_dtensor else grad).data_ptr() != ptr:
             return False
+    if flat.grad is None:
+        flat.grad = flat_grad
     return True
 
 
@@ -168,10 +201,12 @@ def write_back_grads(s: UnitState) -> None:
     flat = s.flat_param
     if _grads_as_given(s, flat):
         return
-    s.orig_grads_given = None
+    given, s.orig_grads_given = s.orig_grads_given, None
     grads = [p.grad for p in s.orig_params]
     if all(g is None for g in grads):
-        if flat.grad is not None:  # zero_grad(set_to_none=True)
+        # zero_grad(set_to_none=True); a flat gradient dropped already counts (see [Note: A gradient set to None is
+        # freed]), one never reduced does not (no_sync's accumulation: which parameters it saw stays)
+        if flat.grad is not None or given is not None:
             flat.grad = None
             s.orig_grad_seen = [False] * len(grads)
         return

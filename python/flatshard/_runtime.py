@@ -651,6 +651,13 @@ def queue_end_of_backward(root: RootState) -> None:
     if not root.final_callback_queued:
         if root.guard is not None and not root.unit._unit_state.holds_unsharded:  # see [Note: Rank-divergence guard]
             root.guard.check(root, "backward")
+        if not root.in_iteration:
+            # A backward with no forward since the last one ended (a retained graph's): what the user did to the
+            # gradients since (a zero_grad) is written back before this one adds into them (see [Note: A gradient
+            # set to None is freed] in _orig_params.py).
+            root.in_iteration = True
+            for u in root.orig_param_units:
+                _orig_params.write_back_grads(u._unit_state)
         root.final_callback_queued = True
         root.backward_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))
@@ -781,6 +788,8 @@ def finish_backward(root: RootState) -> None:
             else:
                 root.scheduler.reduce_grad(handle)
     root.scheduler.finish_grad_sync()
+    if root.guard is not None:  # see [Note: Gradients given on some ranks only] in _rank_guard.py
+        _rank_guard.record_gradient_pattern(root)  # (before use_grad_views lets go of the flat gradients)
     for unit in root.units:
         s = unit._unit_state
         s.switch("end of backward")
@@ -789,8 +798,6 @@ def finish_backward(root: RootState) -> None:
                 reshard(s)
             if s.config.use_orig_params and s.sync_gradients:  # (reduced, whether or not the unit reshards)
                 _orig_params.use_grad_views(s)
-    if root.guard is not None:  # see [Note: Gradients given on some ranks only] in _rank_guard.py
-        _rank_guard.record_gradient_pattern(root)
 
 
 def abort_backward(root: RootState) -> None:
