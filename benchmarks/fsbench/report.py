@@ -99,6 +99,10 @@ def headline(results: dict) -> list[tuple[str, str]]:
             if _ok(entry) and "forward_backward_overhead_us_per_unit" in entry:  # ([Note: The forward and backward
                 rows.append((f"`many-small-units` W={w}: forward + backward overhead per unit, {LABELS[peer]}",  # alone])
                              f"{entry['forward_backward_overhead_us_per_unit']:.0f} µs"))
+        ours, theirs = (msu.get("peers", {}).get(p) for p in ("flatshard-fs", "fsdp2"))
+        if _ok(ours) and _ok(theirs) and "overhead_us_per_unit" in ours and "overhead_us_per_unit" in theirs:
+            rows.append((f"`many-small-units` W={w}: overhead per unit, {LABELS['flatshard-fs']} / {LABELS['fsdp2']}",
+                         _ratio(ours["overhead_us_per_unit"], theirs["overhead_us_per_unit"])))
     large = timing.get("1", {}).get("gpt-large")
     if large is not None:
         fs = _median(large, "flatshard")
@@ -112,10 +116,12 @@ def headline(results: dict) -> list[tuple[str, str]]:
         ws, mem = memory_rows(results, key)
         for w in ws:
             peers = mem[w].get("peers", {})
-            fs, f2 = peers.get("flatshard"), peers.get("fsdp2")
-            value = (_ratio(fs["peak_bytes"], f2["peak_bytes"]) if _ok(fs) and _ok(f2)
-                     else _why(mem[w] if not peers else fs if not _ok(fs) else f2))
-            rows.append((f"{what} W={w}: flatshard peak memory per rank / {LABELS['fsdp2']}", value))
+            f2 = peers.get("fsdp2")
+            for peer in ("flatshard", "flatshard-fs"):
+                fs = peers.get(peer)
+                value = (_ratio(fs["peak_bytes"], f2["peak_bytes"]) if _ok(fs) and _ok(f2)
+                         else _why(mem[w] if not peers else fs if not _ok(fs) else f2))
+                rows.append((f"{what} W={w}: {LABELS[peer]} peak memory per rank / {LABELS['fsdp2']}", value))
     return rows
 
 
