@@ -982,7 +982,8 @@ def _gradient_lifetimes(rank: int, world_size: int) -> dict:
     """Each parameter's gradient after each of: a backward that keeps its graph; a zero_grad (and whether every
     gradient's memory is freed then); a second backward through the kept graph (from zero); a third without zero_grad
     (adding into the second's); an optimizer step and a new iteration without zero_grad (adding into those); a new
-    iteration after half the gradients were set to None. torch's and flatshard's (see [Note: A gradient set to None
+    iteration after half the gradients were set to None; one whose zero_grad comes after its forward. torch's and
+    flatshard's (see [Note: A gradient set to None
     is freed] in flatshard/_orig_params.py). The GPT: the root holds parameters itself, the blocks are units inside
     it, the vocabulary's 67 rows do not divide by 2 (padding)."""
     import gc
@@ -1020,6 +1021,10 @@ def _gradient_lifetimes(rank: int, world_size: int) -> dict:
             p.grad = None
         gpt_loss(model, *batch(2)).backward()
         snap("an iteration after half the gradients were set to None")
+        loss = gpt_loss(model, *batch(3))
+        opt.zero_grad()
+        loss.backward()
+        snap("an iteration with zero_grad between its forward and its backward")
         out[impl] = {"freed": freed, "grads": snaps}
     return out
 
@@ -1036,3 +1041,40 @@ def test_gradients_set_to_none_are_freed_and_kept_ones_accumulate_as_torch():
             for i, (h, w) in enumerate(zip(have, want)):
                 same = (h is None) == (w is None) and (w is None or torch.equal(h, w))
                 assert same, f"rank {rank}, {when}, param {i}: {h is not None} vs torch's {w is not None}"
+
+
+def _accumulation_after_gradients_dropped(rank: int, world_size: int) -> dict:
+    """A synced backward; the block's second layer's gradients set to None; a micro-batch without gradient sync that
+    runs that layer, then a synced one that does not: the layer's gradient is the first micro-batch's, the rest sums
+    all three (torch's and flatshard's)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from flatshard import fully_shard
+
+    out = {}
+    for impl, shard in (("torch", torch_fully_shard), ("flatshard", fully_shard)):
+        torch.manual_seed(0)
+        model = _RoutedModel()
+        shard(model.block)
+        shard(model)
+        xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * i + rank)) for i in range(3)]
+        model(xs[0], use_b=True).square().mean().backward()
+        model.block.b.weight.grad = model.block.b.bias.grad = None
+        model.set_requires_gradient_sync(False)
+        model(xs[1], use_b=True).square().mean().backward()
+        model.set_requires_gradient_sync(True)
+        model(xs[2], use_b=False).square().mean().backward()
+        out[impl] = {n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_a_micro_batch_without_sync_keeps_what_it_saw_after_gradients_were_dropped():
+    from flatshard.testing import run_distributed
+
+    for rank, out in enumerate(run_distributed(_accumulation_after_gradients_dropped, 2, timeout=120)):
+        theirs, ours = out["torch"], out["flatshard"]
+        assert theirs["block.b.weight"] is not None, f"rank {rank}: torch's gave the layer no gradient"
+        for name, want in theirs.items():
+            have = ours[name]
+            same = (have is None) == (want is None) and (want is None or torch.equal(have, want))
+            assert same, f"rank {rank}: {name}: {have} vs torch's {want}"

@@ -52,7 +52,7 @@ CONFIGS = {
     1: [_cfg(), _cfg(model="lora", torch_oracle=False), _cfg(edit="data")],
     2: [_cfg(), _cfg("SHARD_GRAD_OP"), _cfg("NO_SHARD"), _cfg(accum="no_sync"), _cfg(model="lora"),
         _cfg("SHARD_GRAD_OP", model="lora"), _cfg(edit="data"), _cfg(edit="grad_none"),
-        _cfg(edit="backward_again", torch_oracle=False)],
+        _cfg(edit="backward_again", torch_oracle=False), _cfg(edit="zero_grad_after_forward")],
     4: [_cfg(), _cfg("NO_SHARD", model="lora", torch_oracle=False), _cfg(accum="no_sync"), _cfg(edit="data")],
 }
 
@@ -126,6 +126,8 @@ def _train(rank, world_size, impl, cfg) -> dict:
             loss = first.detach() + second.detach()
         else:
             loss = gpt_loss(model, *local)
+            if cfg["edit"] == "zero_grad_after_forward" and step >= 1:
+                opt.zero_grad()  # (the scripts that zero gradients after the forward: the last step's are kept till here)
             if cfg["edit"] == "backward_again" and step == 1:
                 # The step's gradients from a second backward through the kept graph, after a zero_grad: none of the
                 # first's may remain (torch's FSDP1 leaves every .grad None then: the unwrapped model is the oracle)
@@ -140,7 +142,8 @@ def _train(rank, world_size, impl, cfg) -> dict:
                 if "blocks.1" in n:
                     p.grad = None
         opt.step()
-        opt.zero_grad()
+        if cfg["edit"] != "zero_grad_after_forward":
+            opt.zero_grad()
         if cfg["edit"] == "data" and step == 1:
             with torch.no_grad():  # between iterations: in place on one, replacing .data on another
                 for n, p in model.named_parameters():

@@ -12,8 +12,9 @@ in _orig_params.py, whose functions hand over to these for a unit with ``config.
   the all-gather was copied out into), which shadows the registered DTensor; resharding removes the shadow.
 - After backward each parameter's ``.grad`` is a DTensor of the same placement over the matching rows of the
   gradient shard; a parameter that took no part in this iteration's backward keeps ``.grad = None``.
-- Before an iteration what the user did in between is written back (``writeback``): gradients set to None
-  (``zero_grad``) clear the gradient shard, replaced ones are copied into it.
+- At the start of each backward what the user did to the gradients is written back (``write_back_grads``):
+  gradients set to None (``zero_grad``) clear the gradient shard, replaced ones are copied into it; set to None
+  they are freed at once (see [Note: A gradient set to None is freed] in _orig_params.py).
 - ``module._apply`` (``to_empty``, ``.to``, ``.float()``, ...) replaces each parameter's data: ``rebind``
   copies the new values into the shard and points the parameter back at it (torchtitan's ``to_empty``, then
   its in-place initialization, then lands in the shard). A cast (``.to(torch.float64)``) casts the shard first

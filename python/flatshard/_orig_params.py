@@ -18,9 +18,10 @@ As torch's FSDP1 with ``use_orig_params=True``:
   or does not require grad, keeps ``.grad = None``.
 - Before an iteration (and before summoning, clipping or saving optimizer
   state) what the user did in between is written back (``writeback``): a
-  parameter whose data was replaced is copied into the shard, gradients set to
-  None (``zero_grad``) clear the flat gradient, replaced gradients are copied
-  into it.
+  parameter whose data was replaced is copied into the shard; at the start of
+  each backward, gradients set to None (``zero_grad``) clear the flat gradient,
+  replaced gradients are copied into it (see [Note: A gradient set to None is
+  freed]).
 - Frozen and trainable parameters may share a unit: the frozen ones' views
   are not differentiable and they get no ``.grad``. The trainable ones come
   first in the flat order, and a sharded unit reduces only that prefix of its
@@ -35,18 +36,21 @@ memory. fully_shard's ``.grad`` s are views of one gradient shard per unit, so
 after a backward the unit lets go of that shard (``flat_param.grad = None``)
 and the views alone keep it alive (each view holds its base); what
 ``use_grad_views`` records of them (``orig_grads_given``) is weak references.
-Setting every ``.grad`` of the unit to None frees the shard then, not at the
-next forward. ``write_back_grads`` takes the shard back (``flat_param.grad``)
-while every ``.grad`` is still the view it was given: the next backward
-accumulates into it, as torch's adds into ``.grad``. The class keeps holding it
-as torch's FSDP1 does (``flat_param.grad`` until the next forward).
+Setting every ``.grad`` of the unit to None frees the shard then. The class
+keeps holding it, as torch's FSDP1 does.
 
-Whatever reads or adds into ``flat_param.grad`` calls ``write_back_grads``
-first: the next forward (the root's pre-forward), a backward that starts
-without a forward since the last one ended (a retained graph's second backward:
-its gradients add into the ``.grad`` s, or start from zero after a
-``zero_grad``; see ``queue_end_of_backward`` in _runtime.py), and what reads the
-gradients between steps (``clip_grad_norm_``, summoning, moving the shards).
+What the user did to the gradients is written back (``write_back_grads``) at
+the start of every backward, before any reduction adds into ``flat_param.grad``:
+- every ``.grad`` still the view it was given: the shard is ``flat_param.grad``
+  again, and the backward adds into it (torch's adds into ``.grad``);
+- every one None (a ``zero_grad``, also one between the forward and the
+  backward, or between two backwards through a kept graph): the backward starts
+  from none;
+- some None or replaced: into the shard they were given from (while any lives:
+  one shard, not two), the None ones zeroed, the replaced ones copied in.
+Whatever reads ``flat_param.grad`` between steps (the class's
+``clip_grad_norm_``, summoning, moving or casting the shards) writes back
+first.
 """
 
 from __future__ import annotations
@@ -187,34 +191,45 @@ def note_grads(s: UnitState, grads: tuple[torch.Tensor | None, ...]) -> None:
 
 
 def writeback(s: UnitState) -> None:
-    """What the user changed between iterations, into the flat shard and its gradient (see the note; fully_shard's
-    parameters stay on the shard, see [Note: DTensor parameters]). Runs for every unit before every iteration: the
-    checks run as they are, the copies (rare) under no_grad."""
-    if not s.config.dim0_layout:
+    """What the user changed since the last iteration, into the flat shard and its gradient (see the note), before
+    either is read. The checks run as they are, the copies (rare) under no_grad."""
+    if not s.config.dim0_layout:  # (fully_shard's parameters stay on the shard: see [Note: DTensor parameters])
         _write_back_data(s)
     write_back_grads(s)
 
 
+def write_back_before_forward(s: UnitState) -> None:
+    """Before every iteration: the class's ``writeback`` (a zeroed flat gradient dropped there, as torch's FSDP1 does);
+    fully_shard's gradients are written back when the backward starts, its zeroed ones freed already (see [Note: A
+    gradient set to None is freed])."""
+    if not s.config.dim0_layout:
+        writeback(s)
+
+
 def write_back_grads(s: UnitState) -> None:
-    """The gradient half of ``writeback``: gradients set to None clear the gradient shard, replaced ones are copied
-    into it."""
+    """The gradient half of ``writeback``, at the start of every backward (see [Note: A gradient set to None is
+    freed]): gradients set to None clear the gradient shard, replaced ones are copied into it."""
     flat = s.flat_param
     if _grads_as_given(s, flat):
         return
     given, s.orig_grads_given = s.orig_grads_given, None
     grads = [p.grad for p in s.orig_params]
     if all(g is None for g in grads):
-        # zero_grad(set_to_none=True); a flat gradient dropped already counts (see [Note: A gradient set to None is
-        # freed]), one never reduced does not (no_sync's accumulation: which parameters it saw stays)
+        # zero_grad(set_to_none=True); a flat gradient dropped already counts, one never reduced does not (no_sync's
+        # accumulation: which parameters it saw stays)
         if flat.grad is not None or given is not None:
             flat.grad = None
             s.orig_grad_seen = [False] * len(grads)
         return
+    if flat.grad is None and given is not None:
+        flat.grad = given[0]()  # the shard the kept ones are views of, if it lives: written in place
     with torch.no_grad():
-        _copy_grads_back(s, flat, grads)
+        _copy_grads_back(s, flat, grads, given)
 
 
-def _copy_grads_back(s: UnitState, flat: nn.Parameter, grads: list[torch.Tensor | None]) -> None:
+def _copy_grads_back(s: UnitState, flat: nn.Parameter, grads: list[torch.Tensor | None], given: tuple | None) -> None:
+    """The gradients into the flat gradient; a parameter whose given ``.grad`` was set to None since counts as not
+    seen (one that was None then keeps what no_sync's backwards since saw)."""
     flat_grad = flat.grad
     if flat_grad is None:
         flat_grad = torch.zeros_like(flat)
@@ -222,7 +237,8 @@ def _copy_grads_back(s: UnitState, flat: nn.Parameter, grads: list[torch.Tensor 
         g = grads[index]
         if g is None:
             target.zero_()
-            s.orig_grad_seen[index] = False
+            if given is not None and given[1][index][0] is not None:
+                s.orig_grad_seen[index] = False
             continue
         local = _dtensor_params.local_of(g) if s.config.dim0_layout else g
         if local.data_ptr() != target.data_ptr():

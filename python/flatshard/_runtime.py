@@ -355,12 +355,8 @@ def begin_forward(unit: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Fo
             f"call it only after its forward returns (call the inner module, or wrap it in a unit of its own).")
     if s.is_root:
         _root_pre_forward(unit)
-    elif not s.root.in_iteration and s.config.dim0_layout:
-        # A fully_shard unit called on its own, outside its root's forward (torch's FSDP2 allows it): the gradients
-        # the user changed since the last iteration are written back for every unit, as the root's forward would (a
-        # zero_grad must not be undone by the end of this backward).
-        for u in s.root.orig_param_units:
-            _orig_params.writeback(u._unit_state)
+    # (A fully_shard unit called on its own, outside its root's forward, as torch's FSDP2 allows: what the user did to
+    # the gradients is written back when its backward starts, as for any backward.)
     if s.is_root or s.forward_input_dtype is not None:
         args, kwargs = _forward_inputs(s, args, kwargs)
     grad_enabled = torch.is_grad_enabled()
@@ -412,7 +408,7 @@ def _root_pre_forward(unit: FullyShardedDataParallel) -> None:
         root.pre_forward_order = []
         root.post_forward_order = []
         for u in root.orig_param_units:  # what the user changed since the last iteration
-            _orig_params.writeback(u._unit_state)
+            _orig_params.write_back_before_forward(u._unit_state)
 
 
 def _forward_inputs(s: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -651,13 +647,11 @@ def queue_end_of_backward(root: RootState) -> None:
     if not root.final_callback_queued:
         if root.guard is not None and not root.unit._unit_state.holds_unsharded:  # see [Note: Rank-divergence guard]
             root.guard.check(root, "backward")
-        if not root.in_iteration:
-            # A backward with no forward since the last one ended (a retained graph's): what the user did to the
-            # gradients since (a zero_grad) is written back before this one adds into them (see [Note: A gradient
-            # set to None is freed] in _orig_params.py).
-            root.in_iteration = True
-            for u in root.orig_param_units:
-                _orig_params.write_back_grads(u._unit_state)
+        # What the user did to the gradients since the last backward (a zero_grad, also one after this forward), before
+        # this one adds into them (see [Note: A gradient set to None is freed] in _orig_params.py).
+        for u in root.orig_param_units:
+            _orig_params.write_back_grads(u._unit_state)
+        root.in_iteration = True  # (a backward with no forward since the last one: through a kept graph)
         root.final_callback_queued = True
         root.backward_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))

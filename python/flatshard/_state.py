@@ -111,8 +111,8 @@ class UnitState:
         "orig_params",  # use_orig_params: the original nn.Parameters, in flat order
         "orig_grad_seen",  # use_orig_params: which got a gradient this iteration
         "reduce_unused",  # fully_shard's set_reduce_scatter_unused_params: every parameter counts as seen
-        "orig_grads_given",  # use_orig_params: (the flat gradient, [(each .grad given from it, its data_ptr)]) at
-        # the last use_grad_views, or None (see _orig_params.write_back_grads)
+        "orig_grads_given",  # use_orig_params: weak references to (the flat gradient, [(each .grad given from it (None
+        # for none), its data_ptr)]) at the last use_grad_views, or None (see _orig_params.write_back_grads)
         "buffer_orig_dtypes",  # (module, buffer name) -> dtype before buffer_dtype's cast
         # --- per step
         "root",  # the RootState of this unit's root, set at lazy init; None before
@@ -167,7 +167,7 @@ class UnitState:
         self.orig_params: list[nn.Parameter] = []
         self.orig_grad_seen: list[bool] = []
         self.reduce_unused = False
-        self.orig_grads_given: tuple[torch.Tensor, list[tuple[torch.Tensor | None, int]]] | None = None
+        self.orig_grads_given: tuple[weakref.ref, list[tuple[weakref.ref | None, int]]] | None = None
         self.buffer_orig_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
 
         self.root: RootState | None = None
