@@ -310,3 +310,46 @@ def test_the_resolver_reads_every_constructor_argument():
     names = [n for n in inspect.signature(FSDP.__init__).parameters
              if n not in ("self", "module", "auto_wrap_policy") and not n.startswith("_")]
     assert tuple(names) == ARGUMENTS
+
+
+def _forwards_without_backward(rank, world_size):
+    """For each front-end: 20 forwards with grad whose outputs are dropped (an evaluation without no_grad), then a
+    backward through two forwards: how many unit forwards the iteration's order holds after them, how many units
+    there are, and whether the gradients equal a fresh model's through the same two forwards alone."""
+    from flatshard import FullyShardedDataParallel as FSDP
+    from flatshard import fully_shard
+
+    def build(api):
+        model = make_gpt()
+        if api == "class":
+            return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tokens, targets = local_slice(make_batch(), rank, world_size)
+    out = {}
+    for api in ("class", "fully_shard"):
+        grads = []
+        for evaluated in (True, False):
+            model = build(api)
+            if evaluated:
+                for _ in range(20):
+                    logits = model(tokens)  # (each assignment drops the forward before the last)
+                del logits
+                root = model._unit_state.root
+                held, units = len(root.pre_forward_order), len(root.units)
+            (gpt_loss(model, tokens[:, :4], targets[:, :4]) + gpt_loss(model, tokens[:, 4:], targets[:, 4:])).backward()
+            grads.append([local(p.grad).clone() for p in model.parameters()])
+        out[api] = (held, units, all(torch.equal(a, b) for a, b in zip(*grads)))
+    return out
+
+
+def test_forwards_without_backward_do_not_grow_the_iteration():
+    for rank, out in enumerate(run_distributed(_forwards_without_backward, 2, timeout=120)):
+        for api, (held, units, same) in out.items():
+            assert held <= 2 * units, f"rank {rank}, {api}: the iteration holds {held} unit forwards of {units} units"
+            assert same, f"rank {rank}, {api}: gradients after dropped forwards differ from a fresh model's"

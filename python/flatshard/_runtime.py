@@ -402,8 +402,14 @@ def _root_pre_forward(unit: FullyShardedDataParallel) -> None:
         _guard_forward(root)
     if root.final_callback_queued:
         abort_backward(root)
+    if root.in_iteration and root.first_use is not None and root.first_use() is None:
+        # The iteration's first forward is gone with no backward through it (a forward with grad whose output was
+        # dropped: an evaluation without no_grad, a loss skipped as NaN): a new iteration, else the forward orders
+        # would grow with every such forward. (A backward through two forwards keeps the first one's graph.)
+        root.in_iteration = False
     if not root.in_iteration:
         root.in_iteration = True
+        root.first_use = None
         root.prev_pre_forward_order = root.pre_forward_order
         root.pre_forward_order = []
         root.post_forward_order = []
@@ -444,6 +450,8 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
         set_views(s, views)
         return None
     use = Use(s)
+    if root.first_use is None:
+        root.first_use = weakref.ref(use)
     set_views(s, _apply_views(s, use, views))
     return use
 

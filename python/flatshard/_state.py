@@ -233,6 +233,7 @@ class RootState:
         "without_grad",  # those parameters' names, for the guard's error
         # --- per iteration (see [Note: Unit lifecycle] in _runtime.py)
         "in_iteration",  # a forward ran and its backward has not ended
+        "first_use",  # a weak reference to the iteration's first use (its first forward's graph), or None
         "in_forward_call",  # the root's forward is running (summoning then is refused)
         "final_callback_queued",  # the end of backward is queued with autograd
         "backward_task",  # the graph task of the backward under way, or -1
@@ -260,6 +261,7 @@ class RootState:
         self.gradient_pattern = 0
         self.without_grad: list[tuple[str, list[str]]] = []
         self.in_iteration = False
+        self.first_use: weakref.ref | None = None
         self.in_forward_call = False
         self.final_callback_queued = False
         self.backward_task = -1
