@@ -519,16 +519,32 @@ def write(results: dict, out_dir: str, publish_dir: str | None) -> dict:
         }
         doc += [f"![{captions[n]}](results/{n})" + "\n" for n in names]
         path = os.path.join(publish_dir, "RESULTS.md")
-        # Hand-written sections (GPU runs, analysis) below the marker survive every run.
         kept = ""
         if os.path.exists(path):
             with open(path) as f:
-                old = f.read()
-            if KEPT_MARKER in old:
-                kept = old[old.index(KEPT_MARKER):]
+                kept = kept_sections(f.read())
         with open(path, "w") as f:
             f.write("\n".join(doc))
             if kept:
                 f.write("\n" + kept)
         written["results_md"] = path
     return written
+
+
+def kept_sections(old: str) -> str:
+    """What of the old RESULTS.md a run keeps: everything below the marker (GPU runs, analysis, written by hand), and
+    any hand-written ``## `` section found above it (this run's part has none but "## Plots"), moved to just below
+    the marker, so that a section added in the wrong place is never lost."""
+    if KEPT_MARKER not in old:
+        return ""
+    above, below = old[:old.index(KEPT_MARKER)], old[old.index(KEPT_MARKER) + len(KEPT_MARKER):]
+    sections, current = [], None
+    for line in above.splitlines(keepends=True):
+        if line.startswith("## "):
+            current = [] if line.startswith("## Plots") else [line]
+            if current:
+                sections.append(current)
+        elif current:
+            current.append(line)
+    hand = "".join("".join(s) for s in sections)
+    return KEPT_MARKER + ("\n" + hand.rstrip("\n") + "\n" if hand else "") + below
