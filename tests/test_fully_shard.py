@@ -932,7 +932,7 @@ def test_ranks_that_give_different_parameters_a_gradient_are_stopped_by_the_guar
 _PATTERN_OF_A_FAKE_ROOT = """
 from types import SimpleNamespace as NS
 from flatshard import _rank_guard
-p = NS(requires_grad=True)
+p = NS(requires_grad=True, grad=None)
 s = NS(config=NS(dim0_layout=True), reduce_unused=False, orig_grad_seen=[True, False], flat_param=NS(grad=object()),
        name="block", param_local_names=["a.weight", "b.weight"], orig_params=[p, p], label="block")
 root = NS(units=[NS(_unit_state=s)])
@@ -982,8 +982,9 @@ def _gradient_lifetimes(rank: int, world_size: int) -> dict:
     """Each parameter's gradient after each of: a backward that keeps its graph; a zero_grad (and whether every
     gradient's memory is freed then); a second backward through the kept graph (from zero); a third without zero_grad
     (adding into the second's); an optimizer step and a new iteration without zero_grad (adding into those); a new
-    iteration after half the gradients were set to None; one whose zero_grad comes after its forward. torch's and
-    flatshard's (see [Note: A gradient set to None
+    iteration after half the gradients were set to None; one whose zero_grad comes after its forward; one after
+    gradients were set to None while the script holds them (which must stay as they were) and others replaced.
+    torch's and flatshard's (see [Note: A gradient set to None
     is freed] in flatshard/_orig_params.py). The GPT: the root holds parameters itself, the blocks are units inside
     it, the vocabulary's 67 rows do not divide by 2 (padding)."""
     import gc
@@ -1025,7 +1026,16 @@ def _gradient_lifetimes(rank: int, world_size: int) -> dict:
         opt.zero_grad()
         loss.backward()
         snap("an iteration with zero_grad between its forward and its backward")
-        out[impl] = {"freed": freed, "grads": snaps}
+        held = [p.grad for p in params[::3]]  # set to None, but held: torch's leaves them as they are
+        values = [_local(g).clone() for g in held]
+        for p in params[::3]:
+            p.grad = None
+        for p in params[1::3]:
+            p.grad = p.grad * 0.5
+        gpt_loss(model, *batch(4)).backward()
+        snap("an iteration after gradients were set to None while held, and others replaced")
+        untouched = all(torch.equal(_local(g), v) for g, v in zip(held, values))
+        out[impl] = {"freed": freed, "grads": snaps, "held untouched": untouched}
     return out
 
 
@@ -1036,6 +1046,8 @@ def test_gradients_set_to_none_are_freed_and_kept_ones_accumulate_as_torch():
         theirs, ours = out["torch"], out["flatshard"]
         assert theirs["freed"], f"rank {rank}: torch's FSDP2 kept gradient memory after zero_grad"
         assert ours["freed"], f"rank {rank}: a gradient shard outlived zero_grad(set_to_none=True)"
+        assert theirs["held untouched"], f"rank {rank}: torch's FSDP2 wrote into a .grad set to None"
+        assert ours["held untouched"], f"rank {rank}: a .grad set to None and held by the user was written into"
         for when, want in theirs["grads"].items():
             have = ours["grads"][when]
             for i, (h, w) in enumerate(zip(have, want)):
@@ -1046,7 +1058,7 @@ def test_gradients_set_to_none_are_freed_and_kept_ones_accumulate_as_torch():
 def _accumulation_after_gradients_dropped(rank: int, world_size: int) -> dict:
     """A synced backward; the block's second layer's gradients set to None; a micro-batch without gradient sync that
     runs that layer, then a synced one that does not: the layer's gradient is the first micro-batch's, the rest sums
-    all three (torch's and flatshard's)."""
+    all three; again with a zero_grad between the two micro-batches (torch's and flatshard's)."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from flatshard import fully_shard
@@ -1058,13 +1070,18 @@ def _accumulation_after_gradients_dropped(rank: int, world_size: int) -> dict:
         shard(model.block)
         shard(model)
         xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * i + rank)) for i in range(3)]
-        model(xs[0], use_b=True).square().mean().backward()
-        model.block.b.weight.grad = model.block.b.bias.grad = None
-        model.set_requires_gradient_sync(False)
-        model(xs[1], use_b=True).square().mean().backward()
-        model.set_requires_gradient_sync(True)
-        model(xs[2], use_b=False).square().mean().backward()
-        out[impl] = {n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()}
+        for zeroed_between in (False, True):
+            model(xs[0], use_b=True).square().mean().backward()
+            model.block.b.weight.grad = model.block.b.bias.grad = None
+            model.set_requires_gradient_sync(False)
+            model(xs[1], use_b=True).square().mean().backward()
+            if zeroed_between:  # a zero_grad inside the accumulation: what the micro-batch before saw stays
+                model.zero_grad()
+            model.set_requires_gradient_sync(True)
+            model(xs[2], use_b=False).square().mean().backward()
+            out[impl, zeroed_between] = {n: None if p.grad is None else p.grad.to_local().clone()
+                                         for n, p in model.named_parameters()}
+            model.zero_grad()
     return out
 
 
@@ -1072,9 +1089,10 @@ def test_a_micro_batch_without_sync_keeps_what_it_saw_after_gradients_were_dropp
     from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_accumulation_after_gradients_dropped, 2, timeout=120)):
-        theirs, ours = out["torch"], out["flatshard"]
-        assert theirs["block.b.weight"] is not None, f"rank {rank}: torch's gave the layer no gradient"
-        for name, want in theirs.items():
-            have = ours[name]
-            same = (have is None) == (want is None) and (want is None or torch.equal(have, want))
-            assert same, f"rank {rank}: {name}: {have} vs torch's {want}"
+        for zeroed_between in (False, True):
+            theirs, ours = out["torch", zeroed_between], out["flatshard", zeroed_between]
+            assert theirs["block.b.weight"] is not None, f"rank {rank}: torch's gave the layer no gradient"
+            for name, want in theirs.items():
+                have = ours[name]
+                same = (have is None) == (want is None) and (want is None or torch.equal(have, want))
+                assert same, f"rank {rank}, zeroed between: {zeroed_between}, {name}: {have} vs torch's {want}"

@@ -315,7 +315,8 @@ def test_the_resolver_reads_every_constructor_argument():
 def _forwards_without_backward(rank, world_size):
     """For each front-end: 20 forwards with grad whose outputs are dropped (an evaluation without no_grad), then a
     backward through two forwards: how many unit forwards the iteration's order holds after them, how many units
-    there are, and whether the gradients equal a fresh model's through the same two forwards alone."""
+    there are, and whether the gradients equal a fresh model's through the same two forwards alone; and how many a
+    frozen model's order holds after 20 forwards with grad on."""
     from flatshard import FullyShardedDataParallel as FSDP
     from flatshard import fully_shard
 
@@ -345,6 +346,11 @@ def _forwards_without_backward(rank, world_size):
             (gpt_loss(model, tokens[:, :4], targets[:, :4]) + gpt_loss(model, tokens[:, 4:], targets[:, 4:])).backward()
             grads.append([local(p.grad).clone() for p in model.parameters()])
         out[api] = (held, units, all(torch.equal(a, b) for a, b in zip(*grads)))
+        teacher = build(api).requires_grad_(False)  # a frozen model run with grad on (a distillation's teacher)
+        for _ in range(20):
+            teacher(tokens)
+        root = teacher._unit_state.root
+        out[f"{api}, frozen"] = (len(root.pre_forward_order), len(root.units), True)
     return out
 
 

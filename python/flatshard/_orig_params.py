@@ -46,8 +46,13 @@ the start of every backward, before any reduction adds into ``flat_param.grad``:
 - every one None (a ``zero_grad``, also one between the forward and the
   backward, or between two backwards through a kept graph): the backward starts
   from none;
-- some None or replaced: into the shard they were given from (while any lives:
-  one shard, not two), the None ones zeroed, the replaced ones copied in.
+- some None or replaced: the None ones zeroed, the replaced ones copied in, in
+  the shard they were given from where it lives (one shard, not two), unless one
+  set to None or replaced still lives (the script holds it, and torch's leaves
+  it as it is): then in a new one.
+At the end of a reduced backward a parameter gets a ``.grad`` if it got a
+gradient in a backward since the last one (``orig_grad_seen``: also in no_sync
+micro-batches, whatever was zeroed between) or holds one from before.
 Whatever reads ``flat_param.grad`` between steps (the class's
 ``clip_grad_norm_``, summoning, moving or casting the shards) writes back
 first.
@@ -113,9 +118,11 @@ def _grad_targets(s: UnitState, flat_grad: torch.Tensor) -> list[tuple[int, torc
             for index, _offset_in_param, offset_in_shard, numel in layout.shard_slices(handle.rank)]
 
 
-def use_grad_views(s: UnitState) -> None:
+def use_grad_views(s: UnitState, ends_accumulation: bool = False) -> None:
     """After backward: each parameter's ``.grad`` is its view of the gradient shard (a DTensor over it for
-    fully_shard's)."""
+    fully_shard's): each one that got a gradient since the last reduced backward, or holds one from before (its
+    values are in the shard: see ``write_back_grads``). ``ends_accumulation``: the end of a reduced backward, after
+    which ``orig_grad_seen`` starts again."""
     flat_grad = s.flat_param.grad
     params = s.orig_params
     s.orig_grads_given = None
@@ -123,7 +130,12 @@ def use_grad_views(s: UnitState) -> None:
         s.orig_grads_given = _dtensor_params.use_grad_views(s, flat_grad)
         if s.orig_grads_given is not None:  # see [Note: A gradient set to None is freed]
             s.flat_param.grad = None
+        if ends_accumulation:
+            s.orig_grad_seen = [False] * len(params)
         return
+    given = [s.orig_grad_seen[i] or p.grad is not None for i, p in enumerate(params)]
+    if ends_accumulation:
+        s.orig_grad_seen = [False] * len(params)
     for p in params:
         p.grad = None
     if flat_grad is None:
@@ -133,7 +145,7 @@ def use_grad_views(s: UnitState) -> None:
     # DTensor with an empty local tensor, as torch's FSDP2.)
     for index, view in _grad_targets(s, flat_grad):
         p = params[index]
-        if p.requires_grad and s.orig_grad_seen[index]:
+        if p.requires_grad and given[index]:
             set_grad(p, _dtensor_params.grad_of(p, view) if as_dtensor else view)
     given = [(None if p.grad is None else ref(p.grad), _data_ptr(p.grad, as_dtensor)) for p in params]
     if any(grad is not None for grad, _ in given):  # (none given: writeback's own check clears the flat gradient)
@@ -214,22 +226,20 @@ def write_back_grads(s: UnitState) -> None:
         return
     given, s.orig_grads_given = s.orig_grads_given, None
     grads = [p.grad for p in s.orig_params]
-    if all(g is None for g in grads):
-        # zero_grad(set_to_none=True); a flat gradient dropped already counts, one never reduced does not (no_sync's
-        # accumulation: which parameters it saw stays)
-        if flat.grad is not None or given is not None:
-            flat.grad = None
-            s.orig_grad_seen = [False] * len(grads)
+    if all(g is None for g in grads):  # zero_grad(set_to_none=True)
+        flat.grad = None
         return
     if flat.grad is None and given is not None:
-        flat.grad = given[0]()  # the shard the kept ones are views of, if it lives: written in place
+        # The shard the kept ones are views of, written in place (one shard, not two), unless a ``.grad`` set to None
+        # or replaced since still lives (the user holds it: torch's leaves it as it is)
+        old = given[0]()
+        if old is not None and all(r is None or r() is None or r() is g for (r, _), g in zip(given[1], grads)):
+            flat.grad = old
     with torch.no_grad():
-        _copy_grads_back(s, flat, grads, given)
+        _copy_grads_back(s, flat, grads)
 
 
-def _copy_grads_back(s: UnitState, flat: nn.Parameter, grads: list[torch.Tensor | None], given: tuple | None) -> None:
-    """The gradients into the flat gradient; a parameter whose given ``.grad`` was set to None since counts as not
-    seen (one that was None then keeps what no_sync's backwards since saw)."""
+def _copy_grads_back(s: UnitState, flat: nn.Parameter, grads: list[torch.Tensor | None]) -> None:
     flat_grad = flat.grad
     if flat_grad is None:
         flat_grad = torch.zeros_like(flat)
@@ -237,8 +247,6 @@ def _copy_grads_back(s: UnitState, flat: nn.Parameter, grads: list[torch.Tensor 
         g = grads[index]
         if g is None:
             target.zero_()
-            if given is not None and given[1][index][0] is not None:
-                s.orig_grad_seen[index] = False
             continue
         local = _dtensor_params.local_of(g) if s.config.dim0_layout else g
         if local.data_ptr() != target.data_ptr():

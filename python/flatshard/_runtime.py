@@ -402,10 +402,12 @@ def _root_pre_forward(unit: FullyShardedDataParallel) -> None:
         _guard_forward(root)
     if root.final_callback_queued:
         abort_backward(root)
-    if root.in_iteration and root.first_use is not None and root.first_use() is None:
+    if root.in_iteration and (root.first_use is None or root.first_use() is None):
         # The iteration's first forward is gone with no backward through it (a forward with grad whose output was
-        # dropped: an evaluation without no_grad, a loss skipped as NaN): a new iteration, else the forward orders
-        # would grow with every such forward. (A backward through two forwards keeps the first one's graph.)
+        # dropped: an evaluation without no_grad, a loss skipped as NaN), or it used no trainable unit (a frozen
+        # teacher's): a new iteration, else the forward orders would grow with every such forward. (A backward
+        # through two forwards keeps the first one's graph; through a frozen model's two forwards, only the backward
+        # prefetch across them is lost.)
         root.in_iteration = False
     if not root.in_iteration:
         root.in_iteration = True
@@ -799,7 +801,7 @@ def finish_backward(root: RootState) -> None:
             if s.reshards_after_backward:
                 reshard(s)
             if s.config.use_orig_params and s.sync_gradients:  # (reduced, whether or not the unit reshards)
-                _orig_params.use_grad_views(s)
+                _orig_params.use_grad_views(s, ends_accumulation=True)
 
 
 def abort_backward(root: RootState) -> None:

@@ -109,7 +109,7 @@ class UnitState:
         "param_local_names",  # their names relative to the wrapped module
         "frozen_indices",  # use_orig_params: frozen parameters of a trainable unit
         "orig_params",  # use_orig_params: the original nn.Parameters, in flat order
-        "orig_grad_seen",  # use_orig_params: which got a gradient this iteration
+        "orig_grad_seen",  # use_orig_params: which got a gradient since the last reduced backward
         "reduce_unused",  # fully_shard's set_reduce_scatter_unused_params: every parameter counts as seen
         "orig_grads_given",  # use_orig_params: weak references to (the flat gradient, [(each .grad given from it (None
         # for none), its data_ptr)]) at the last use_grad_views, or None (see _orig_params.write_back_grads)
