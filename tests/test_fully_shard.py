@@ -933,7 +933,8 @@ _PATTERN_OF_A_FAKE_ROOT = """
 from types import SimpleNamespace as NS
 from flatshard import _rank_guard
 p = NS(requires_grad=True, grad=None)
-s = NS(config=NS(dim0_layout=True), reduce_unused=False, orig_grad_seen=[True, False], flat_param=NS(grad=object()),
+s = NS(config=NS(dim0_layout=True), reduce_unused=False, orig_grad_seen=[True, False], orig_grad_held=[False, False],
+       flat_param=NS(grad=object()),
        name="block", param_local_names=["a.weight", "b.weight"], orig_params=[p, p], label="block")
 root = NS(units=[NS(_unit_state=s)])
 _rank_guard.record_gradient_pattern(root)
@@ -1096,3 +1097,39 @@ def test_a_micro_batch_without_sync_keeps_what_it_saw_after_gradients_were_dropp
                 have = ours[name]
                 same = (have is None) == (want is None) and (want is None or torch.equal(have, want))
                 assert same, f"rank {rank}, zeroed between: {zeroed_between}, {name}: {have} vs torch's {want}"
+
+
+def _zero_grad_after_forward_resharded_to_pairs(rank: int, world_size: int) -> dict:
+    """Three steps whose model.zero_grad() comes between the forward and the backward, at W = 4: torch's FSDP2 with
+    reshard_after_forward=True, and flatshard's with reshard_after_forward=2 (to pairs of ranks) and True. Each
+    rank's parameter shards after the steps (as full tensors)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from flatshard import fully_shard
+
+    out = {}
+    for impl, shard, reshard in (("torch", torch_fully_shard, True), ("flatshard", fully_shard, 2),
+                                 ("flatshard", fully_shard, True)):
+        model = make_gpt(vocab=VOCAB, seq=SEQ, seed=0)
+        for block in model.blocks:
+            shard(block, reshard_after_forward=reshard)
+        shard(model, reshard_after_forward=reshard)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(3):
+            loss = gpt_loss(model, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size))
+            model.zero_grad()
+            loss.backward()
+            opt.step()
+        out[impl, reshard] = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_model_zero_grad_after_the_forward_clears_gradients_whatever_the_reshard():
+    """torch's FSDP2 (2.13) with an int reshard_after_forward leaves the gradients in (its parameters() yields the
+    post-forward shards then); flatshard's trains as with True (the README's difference)."""
+    from flatshard.testing import run_distributed
+
+    for rank, out in enumerate(run_distributed(_zero_grad_after_forward_resharded_to_pairs, 4, timeout=120)):
+        want = out["torch", True]
+        for key in (("flatshard", 2), ("flatshard", True)):
+            assert all(torch.equal(a, b) for a, b in zip(out[key], want)), f"rank {rank}: {key} against torch's True"

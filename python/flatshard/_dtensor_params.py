@@ -88,6 +88,7 @@ def init(s: UnitState, params: list[nn.Parameter]) -> None:
         setattr(p, OWNER_ATTR, (s.name, fqn))
     s.orig_params = sharded
     s.orig_grad_seen = [False] * len(sharded)
+    s.orig_grad_held = [False] * len(sharded)
     assert layout.kind.name == "DIM0"
 
 
@@ -105,22 +106,26 @@ def use_sharded_views(s: UnitState) -> None:
 
 def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor, list] | None:
     """``_orig_params.use_grad_views`` for a gradient shard of the parameters' dtype (the common case, once a unit
-    after every backward): each parameter that got a gradient since the last reduced backward, or holds one from
-    before, gets ``grad_of`` its rows as its ``.grad``, the others None; returns what ``s.orig_grads_given`` records (None when no gradient was given): weak
+    after every backward): each parameter that got a gradient since the last reduced backward, or held one
+    (``orig_grad_held``), gets ``grad_of`` its rows as its ``.grad``, the others None; returns what ``s.orig_grads_given`` records (None when no gradient was given): weak
     references, see [Note: A gradient set to None is freed] in _orig_params.py."""
     base = flat_grad.storage_offset()
-    given = []
+    given, held = [], []
     any_given = False
-    for p, (start, _numel, shape, _dim, strides), seen in zip(s.orig_params, _rows(s), s.orig_grad_seen):
-        if (seen or p.grad is not None) and p.requires_grad:
+    for p, (start, _numel, shape, _dim, strides), seen, kept in zip(s.orig_params, _rows(s), s.orig_grad_seen,
+                                                                    s.orig_grad_held):
+        if (seen or kept) and p.requires_grad:
             local = flat_grad.as_strided(shape, strides, base + start)
             grad = grad_of(p, local)
             p.grad = grad
             given.append((ref(grad), local.data_ptr()))
+            held.append(True)
             any_given = True
         else:
             p.grad = None
             given.append((None, 0))
+            held.append(False)
+    s.orig_grad_held = held
     return (ref(flat_grad), given) if any_given else None
 
 

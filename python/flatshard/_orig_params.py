@@ -52,7 +52,8 @@ the start of every backward, before any reduction adds into ``flat_param.grad``:
   it as it is): then in a new one.
 At the end of a reduced backward a parameter gets a ``.grad`` if it got a
 gradient in a backward since the last one (``orig_grad_seen``: also in no_sync
-micro-batches, whatever was zeroed between) or holds one from before.
+micro-batches, whatever was zeroed between) or holds one from before
+(``orig_grad_held``, which ``write_back_grads`` keeps: False once set to None).
 Whatever reads ``flat_param.grad`` between steps (the class's
 ``clip_grad_norm_``, summoning, moving or casting the shards) writes back
 first.
@@ -92,6 +93,7 @@ def init(s: UnitState, params: list[nn.Parameter]) -> None:
         return
     s.orig_params = params
     s.orig_grad_seen = [False] * len(params)
+    s.orig_grad_held = [False] * len(params)
     use_sharded_views(s)
 
 
@@ -120,9 +122,9 @@ def _grad_targets(s: UnitState, flat_grad: torch.Tensor) -> list[tuple[int, torc
 
 def use_grad_views(s: UnitState, ends_accumulation: bool = False) -> None:
     """After backward: each parameter's ``.grad`` is its view of the gradient shard (a DTensor over it for
-    fully_shard's): each one that got a gradient since the last reduced backward, or holds one from before (its
-    values are in the shard: see ``write_back_grads``). ``ends_accumulation``: the end of a reduced backward, after
-    which ``orig_grad_seen`` starts again."""
+    fully_shard's): each one that got a gradient since the last reduced backward (``orig_grad_seen``), or held one
+    (``orig_grad_held``: its values are in the shard, see ``write_back_grads``). ``ends_accumulation``: the end of a
+    reduced backward, after which ``orig_grad_seen`` starts again."""
     flat_grad = s.flat_param.grad
     params = s.orig_params
     s.orig_grads_given = None
@@ -133,12 +135,13 @@ def use_grad_views(s: UnitState, ends_accumulation: bool = False) -> None:
         if ends_accumulation:
             s.orig_grad_seen = [False] * len(params)
         return
-    given = [s.orig_grad_seen[i] or p.grad is not None for i, p in enumerate(params)]
+    given = [seen or held for seen, held in zip(s.orig_grad_seen, s.orig_grad_held)]
     if ends_accumulation:
         s.orig_grad_seen = [False] * len(params)
     for p in params:
         p.grad = None
     if flat_grad is None:
+        s.orig_grad_held = [False] * len(params)
         return
     as_dtensor = s.config.dim0_layout
     # (The class's: a parameter with no element on this rank keeps None, as torch's FSDP1; fully_shard's get a
@@ -147,6 +150,7 @@ def use_grad_views(s: UnitState, ends_accumulation: bool = False) -> None:
         p = params[index]
         if p.requires_grad and given[index]:
             set_grad(p, _dtensor_params.grad_of(p, view) if as_dtensor else view)
+    s.orig_grad_held = [p.grad is not None for p in params]
     given = [(None if p.grad is None else ref(p.grad), _data_ptr(p.grad, as_dtensor)) for p in params]
     if any(grad is not None for grad, _ in given):  # (none given: writeback's own check clears the flat gradient)
         s.orig_grads_given = (ref(flat_grad), given)
@@ -226,6 +230,7 @@ def write_back_grads(s: UnitState) -> None:
         return
     given, s.orig_grads_given = s.orig_grads_given, None
     grads = [p.grad for p in s.orig_params]
+    s.orig_grad_held = [g is not None for g in grads]
     if all(g is None for g in grads):  # zero_grad(set_to_none=True)
         flat.grad = None
         return

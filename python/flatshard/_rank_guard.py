@@ -419,8 +419,8 @@ def record_gradient_pattern(root: RootState) -> None:
         s = u._unit_state
         if not s.config.dim0_layout or all(s.orig_grad_seen) or s.flat_param.grad is None:
             continue
-        left = [i for i, (p, seen) in enumerate(zip(s.orig_params, s.orig_grad_seen))
-                if p.requires_grad and not seen and p.grad is None]  # (one held from before keeps its .grad)
+        left = [i for i, (p, seen, held) in enumerate(zip(s.orig_params, s.orig_grad_seen, s.orig_grad_held))
+                if p.requires_grad and not (seen or held)]  # (one held from before keeps its .grad)
         if left:
             prefix = f"{s.name}." if s.name else ""
             indices.append((position, left))

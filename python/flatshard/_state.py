@@ -110,6 +110,7 @@ class UnitState:
         "frozen_indices",  # use_orig_params: frozen parameters of a trainable unit
         "orig_params",  # use_orig_params: the original nn.Parameters, in flat order
         "orig_grad_seen",  # use_orig_params: which got a gradient since the last reduced backward
+        "orig_grad_held",  # use_orig_params: which hold a .grad from the shard (given, not set to None since)
         "reduce_unused",  # fully_shard's set_reduce_scatter_unused_params: every parameter counts as seen
         "orig_grads_given",  # use_orig_params: weak references to (the flat gradient, [(each .grad given from it (None
         # for none), its data_ptr)]) at the last use_grad_views, or None (see _orig_params.write_back_grads)
@@ -166,6 +167,7 @@ class UnitState:
         self.frozen_indices: list[int] = []
         self.orig_params: list[nn.Parameter] = []
         self.orig_grad_seen: list[bool] = []
+        self.orig_grad_held: list[bool] = []
         self.reduce_unused = False
         self.orig_grads_given: tuple[weakref.ref, list[tuple[weakref.ref | None, int]]] | None = None
         self.buffer_orig_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
