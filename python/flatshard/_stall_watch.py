@@ -73,7 +73,10 @@ if TYPE_CHECKING:
 
 FIRST_SECONDS = 1.0
 EVERY_SECONDS = 0.5
-ROLL_CALL_SECONDS = 5.0
+# A live rank answers within a heartbeat or two; on a loaded host (two cores, two test workers of several ranks each)
+# one took over 5 s and was named among the gone. Only a roll call with a dead rank waits the whole time, once, as the
+# job ends.
+ROLL_CALL_SECONDS = 15.0
 HEARTBEAT_SECONDS = 1.0
 _PREFIX = "flatshard/stall/"
 _GIVEN_UP = ("The process group now holds collectives that will never pair: end the job (checkpoints saved before "
