@@ -1133,3 +1133,52 @@ def test_model_zero_grad_after_the_forward_clears_gradients_whatever_the_reshard
         want = out["torch", True]
         for key in (("flatshard", 2), ("flatshard", True)):
             assert all(torch.equal(a, b) for a, b in zip(out[key], want)), f"rank {rank}: {key} against torch's True"
+
+
+class _BlockWithAux(nn.Module):
+    """A block that keeps an auxiliary loss of its own (a mixture-of-experts' load-balancing loss, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.aux = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        self.aux = h.pow(2).mean()
+        return self.b(h)
+
+
+def _auxiliary_loss_on_its_own(rank: int, world_size: int) -> dict:
+    """Parameters kept after forward; the first block's auxiliary loss backpropagated on its own (it reaches the
+    block's and the root's parameters but none of their outputs), then the main loss: each parameter's gradient,
+    torch's and flatshard's."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from flatshard import fully_shard
+
+    out = {}
+    for impl, shard in (("torch", torch_fully_shard), ("flatshard", fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), _BlockWithAux(), _BlockWithAux(), nn.Linear(4, 1))
+        shard(model[1], reshard_after_forward=False)
+        shard(model[2], reshard_after_forward=False)
+        shard(model, reshard_after_forward=False)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+        y = model(x)
+        model[1].aux.backward(retain_graph=True)
+        y.sum().backward()
+        out[impl] = {n: None if p.grad is None else p.grad.to_local().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_an_auxiliary_loss_backpropagated_on_its_own_as_torch():
+    from flatshard.testing import run_distributed
+
+    # (rtol 1e-6: the root's gradient sums the two backwards' reductions in another order than torch's)
+    for rank, out in enumerate(run_distributed(_auxiliary_loss_on_its_own, 2, timeout=120)):
+        for name, want in out["torch"].items():
+            have = out["flatshard"][name]
+            assert (have is None) == (want is None), f"rank {rank}: {name}: {have} vs torch's {want}"
+            if want is not None:
+                torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-8, msg=f"rank {rank}: {name}")

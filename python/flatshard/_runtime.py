@@ -745,6 +745,11 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
             f"'{s.label}''s parameters (torch.autograd.grad over parameters, or backward(), during forward); "
             f"flatshard supports gradients of the forward's inputs there (torch.autograd.grad(energy, positions, "
             f"create_graph=True)), not of the parameters: take those in the training step's backward.")
+    if s.training_state is TrainingState.IDLE and torch._C._current_graph_task_id() != -1:
+        # A backward that reached the unit's parameters but none of its outputs (a loss on a tensor the module kept,
+        # e.g. a mixture-of-experts' auxiliary loss backpropagated on its own; the parameters kept unsharded after
+        # forward): the unit's pre-backward, without a prefetch order, first, as torch's FSDP2 runs it.
+        pre_backward(s, [], 0)
     s.switch("post-backward")
     use.finish()
     if s.config.use_orig_params:
