@@ -78,6 +78,10 @@ def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int])
 
 def init(s: UnitState, params: list[nn.Parameter]) -> None:
     """At ``fully_shard``: the modules' parameters become DTensor parameters over the shard."""
+    global _DTensor
+    from torch.distributed.tensor import DTensor
+
+    _DTensor = DTensor
     layout = s.handle.layout
     sharded = []
     for index, (p, local) in enumerate(zip(params, local_views(s, s.flat_param.detach()))):
@@ -107,25 +111,27 @@ def use_sharded_views(s: UnitState) -> None:
 def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor, list] | None:
     """``_orig_params.use_grad_views`` for a gradient shard of the parameters' dtype (the common case, once a unit
     after every backward): each parameter that got a gradient since the last reduced backward, or held one
-    (``orig_grad_held``), gets ``grad_of`` its rows as its ``.grad``, the others None; returns what ``s.orig_grads_given`` records (None when no gradient was given): weak
-    references, see [Note: A gradient set to None is freed] in _orig_params.py."""
+    (``orig_grad_held``), gets a DTensor over its rows as its ``.grad`` (``grad_of``, inlined: this loop is most of
+    what fully_shard's backward costs beyond the class's), the others None; returns what ``s.orig_grads_given``
+    records (None when no gradient was given): weak references, see [Note: A gradient set to None is freed] in
+    _orig_params.py."""
     base = flat_grad.storage_offset()
-    given, held = [], []
+    view = flat_grad.as_strided
+    seen, held = s.orig_grad_seen, s.orig_grad_held  # (``held`` updated in place: its list is the unit's own)
+    given = []
     any_given = False
-    for p, (start, _numel, shape, _dim, strides), seen, kept in zip(s.orig_params, _rows(s), s.orig_grad_seen,
-                                                                    s.orig_grad_held):
-        if (seen or kept) and p.requires_grad:
-            local = flat_grad.as_strided(shape, strides, base + start)
-            grad = grad_of(p, local)
+    for i, (p, row) in enumerate(zip(s.orig_params, _rows(s))):
+        if (seen[i] or held[i]) and p.requires_grad:
+            local = view(row[2], row[4], base + row[0])
+            grad = _NEW_DTENSOR(_DTensor, local, p._spec, requires_grad=False) if _NEW_DTENSOR is not None \
+                else grad_of(p, local)
             p.grad = grad
             given.append((ref(grad), local.data_ptr()))
-            held.append(True)
-            any_given = True
+            held[i] = any_given = True
         else:
             p.grad = None
             given.append((None, 0))
-            held.append(False)
-    s.orig_grad_held = held
+            held[i] = False
     return (ref(flat_grad), given) if any_given else None
 
 
@@ -143,6 +149,7 @@ def grad_of(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 _NEW_DTENSOR = getattr(torch.Tensor, "_dtensor__new__", None)  # (torch 2.13; 2.11 builds DTensors in Python)
+_DTensor: type | None = None  # torch's DTensor, set by ``init`` (importing it with flatshard costs its users' start-up)
 
 
 def local_of(grad: torch.Tensor) -> torch.Tensor:
