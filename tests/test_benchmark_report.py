@@ -35,3 +35,27 @@ def test_a_publishing_run_keeps_every_hand_written_section():
 
 def test_a_file_without_the_marker_keeps_nothing():
     assert kept_sections("# Benchmark results\n\n## Plots\n") == ""
+
+
+def _per_unit_run(overheads: dict, floor: float | None) -> dict:
+    peers = {name: {"status": "ok", "overhead_us_per_unit": us, "time": {"median_ms": 1.0}} for name, us in overheads.items()}
+    run = {"workload": "many-small-units", "world_size": 2, "peers": peers}
+    if floor is not None:
+        run["exchange_floor_us_per_unit"] = floor
+    return {"timing": {"2": {"many-small-units": run}}}
+
+
+def test_the_collectives_floor_per_unit_is_reported_with_each_peers_overhead_above_it():
+    from fsbench.report import headline
+
+    rows = dict(headline(_per_unit_run({"flatshard": 1300.0, "flatshard-fs": 1500.0, "fsdp2": 3500.0}, 1000.0)))
+    assert rows["`many-small-units` W=2: overhead per unit, flatshard fully_shard / torch FSDP2"] == "0.43×"
+    assert rows["`many-small-units` W=2: a unit's collectives alone (raw gloo, timed in the same rounds)"] == "1000 µs"
+    above = "`many-small-units` W=2: overhead per unit above the collectives alone, flatshard fully_shard / torch FSDP2"
+    assert rows[above] == "500 µs / 2500 µs = 0.20×"
+    # Under the floor (the runtime overlapped its collectives): said so, not a negative ratio
+    rows = dict(headline(_per_unit_run({"flatshard": 1300.0, "flatshard-fs": 990.0, "fsdp2": 3500.0}, 1000.0)))
+    assert rows[above] == "0 µs / 2500 µs = 0.00× (10 µs under the collectives alone: overlapped)"
+    # No floor timed (W=1, or an older run): no such rows
+    rows = dict(headline(_per_unit_run({"flatshard": 1300.0, "flatshard-fs": 1500.0, "fsdp2": 3500.0}, None)))
+    assert not any("collectives alone" in what for what in rows)

@@ -103,6 +103,17 @@ def headline(results: dict) -> list[tuple[str, str]]:
         if _ok(ours) and _ok(theirs) and "overhead_us_per_unit" in ours and "overhead_us_per_unit" in theirs:
             rows.append((f"`many-small-units` W={w}: overhead per unit, {LABELS['flatshard-fs']} / {LABELS['fsdp2']}",
                          _ratio(ours["overhead_us_per_unit"], theirs["overhead_us_per_unit"])))
+        floor = msu.get("exchange_floor_us_per_unit")  # see [Note: The collectives' floor per unit] in workloads.py
+        if floor is not None:
+            rows.append((f"`many-small-units` W={w}: a unit's collectives alone (raw gloo, timed in the same rounds)",
+                         f"{floor:.0f} µs"))
+            if _ok(ours) and _ok(theirs) and "overhead_us_per_unit" in ours and "overhead_us_per_unit" in theirs:
+                mine, theirs_above = (entry["overhead_us_per_unit"] - floor for entry in (ours, theirs))
+                rows.append((f"`many-small-units` W={w}: overhead per unit above the collectives alone, "
+                             f"{LABELS['flatshard-fs']} / {LABELS['fsdp2']}",
+                             f"{max(mine, 0):.0f} µs / {theirs_above:.0f} µs"
+                             + (f" = {_ratio(max(mine, 0), theirs_above)}" if theirs_above > 0 else "")
+                             + (f" ({-mine:.0f} µs under the collectives alone: overlapped)" if mine < 0 else "")))
     large = timing.get("1", {}).get("gpt-large")
     if large is not None:
         fs = _median(large, "flatshard")
@@ -290,6 +301,10 @@ def markdown(results: dict) -> str:
                     f"dropped, after {plan['warmup']} warm-up + 4 guard steps). Ratios are of medians.", ""]
             out += training_table(run)
             notes = [f"{LABELS[p]}: {n}" for p, e in run["peers"].items() for n in e.get("notes", [])]
+            if "exchange_floor_us_per_unit" in run:  # see [Note: The collectives' floor per unit] in workloads.py
+                notes.append(f"A unit's collectives alone (two all-gathers and a reduce-scatter of a unit's bytes, raw "
+                             f"{run['backend']}, timed in the same rounds): {run['exchange_floor_us_per_unit']:.0f} µs "
+                             f"per unit; every sharded peer's overhead per unit holds it")
             if notes:
                 out += [""] + [f"- {n}" for n in notes]
     coll = results.get("collectives")

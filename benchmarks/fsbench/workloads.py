@@ -109,7 +109,13 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
             transient[name] = max(transient[name], torch.cuda.max_memory_allocated(ctx.device) - start)
 
     items = {name: Timed(run=lambda i, n=name: step(n, i)) for name in peers}
+    exchanges = _unit_exchanges(spec, ctx)
+    if exchanges is not None:
+        items[_EXCHANGES] = Timed(run=lambda i: exchanges())
     samples, errors = interleaved(ctx, items, cfg.plan)
+    floor = None
+    if exchanges is not None and _EXCHANGES not in errors:
+        floor = statistics.median(samples.pop(_EXCHANGES)) * 1e6 / spec.n_units
     tokens = cfg.global_batch * spec.tokens_per_sample
     for name in peers:
         entry = entries[name]
@@ -146,7 +152,39 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
         "guard_tolerance": guard.tolerance(cfg.precision),
         "reference": ref,
         "peers": entries,
+        **({"exchange_floor_us_per_unit": floor} if floor is not None else {}),
     }
+
+
+# [Note: The collectives' floor per unit]
+# With units as small as ``many-small-units``' (272 parameters), a sharded step over gloo at W > 1 is mostly waiting:
+# each unit's parameters are all-gathered in forward and again in backward, and its gradient reduce-scattered, and
+# every one of those exchanges costs gloo's latency between the ranks' processes (hundreds of microseconds here),
+# whoever issues it. So every sharded peer's overhead per unit holds that floor, which no runtime can go under
+# without exchanging less. The run times it as one more item of the interleaved rounds: the same three collectives
+# per unit on a unit's bytes (the model's parameters over its units, this rank's part), issued back to back with
+# preallocated buffers, nothing else; a peer's overhead above it is what its own code costs (and what it fails to
+# overlap).
+_EXCHANGES = "exchanges"
+
+
+def _unit_exchanges(spec: ModelSpec, ctx: Ctx):
+    """The floor item's step (see [Note: The collectives' floor per unit]), or None where it does not apply."""
+    if ctx.world_size == 1 or spec.name != "many-small-units":
+        return None
+    per_unit = -(-sum(p.numel() for p in spec.build().parameters()) // spec.n_units)
+    shard = torch.zeros(-(-per_unit // ctx.world_size), device=ctx.device)
+    full = torch.zeros(shard.numel() * ctx.world_size, device=ctx.device)
+    reduced = torch.empty_like(shard)
+
+    def run() -> None:
+        for _ in range(spec.n_units):
+            dist.all_gather_into_tensor(full, shard)  # forward
+            dist.all_gather_into_tensor(full, shard)  # backward, resharded after forward
+            dist.reduce_scatter_tensor(reduced, full)
+        ctx.sync()
+
+    return run
 
 
 def _build_and_guard(name: str, spec: ModelSpec, ctx: Ctx, ref: dict, batches: list, entry: dict,
