@@ -1,5 +1,6 @@
 #include "flatshard/dim0_rows.h"
 
+#include <ATen/ops/_chunk_cat.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/split_with_sizes_copy.h>
@@ -48,8 +49,9 @@ std::vector<std::pair<at::Tensor, at::Tensor>> dim0_row_pieces(const at::Tensor&
 }
 
 void copy_rows_out(const at::Tensor& gathered, const FlatParamLayout& layout, const std::vector<at::Tensor>& params) {
-  TORCH_INTERNAL_ASSERT(layout.rows_divide() && static_cast<std::int64_t>(params.size()) == layout.num_params(),
-                        "flatshard: copy_rows_out needs a dim-0 layout whose rows divide, and one tensor a parameter");
+  TORCH_INTERNAL_ASSERT(layout.all_on_dim0() && static_cast<std::int64_t>(params.size()) == layout.num_params(),
+                        "flatshard: copy_rows_out needs a dim-0 layout with every parameter on dim 0, and one tensor a "
+                        "parameter");
   const std::int64_t ranks = layout.shard_factor();
   std::vector<std::int64_t> widths;
   std::vector<at::Tensor> outs;
@@ -63,18 +65,35 @@ void copy_rows_out(const at::Tensor& gathered, const FlatParamLayout& layout, co
   at::split_with_sizes_copy_out(outs, gathered.view({ranks, layout.shard_numel()}), widths, 1);
 }
 
+bool rank_major_takes(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout) {
+  if (!layout.all_on_dim0() || static_cast<std::int64_t>(tensors.size()) != layout.num_params()) return false;
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined()) return false;
+    if (!layout.rows_divide() && (t.numel() == 0 || t.scalar_type() != tensors.front().scalar_type())) return false;
+  }
+  return true;
+}
+
 at::Tensor rank_major(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout,
                       const at::TensorOptions& options) {
-  TORCH_INTERNAL_ASSERT(layout.rows_divide() && static_cast<std::int64_t>(tensors.size()) == layout.num_params(),
-                        "flatshard: rank_major needs a dim-0 layout whose rows divide, and one tensor a parameter");
+  TORCH_INTERNAL_ASSERT(rank_major_takes(tensors, layout), "flatshard: rank_major of tensors it does not take");
   const std::int64_t ranks = layout.shard_factor();
+  at::Tensor flat = at::empty({ranks, layout.shard_numel()}, options);
+  if (!layout.rows_divide()) {  // each chunked on dim 0 into F chunks of c_i rows, zero-padded
+    std::vector<at::Tensor> rows;
+    rows.reserve(tensors.size());
+    for (std::int64_t i = 0; i < layout.num_params(); ++i) {
+      rows.push_back(tensors[static_cast<std::size_t>(i)].reshape({layout.rows(i), layout.row_numel(i)}));
+    }
+    at::_chunk_cat_out(flat, rows, 0, ranks);
+    return flat.view({layout.padded_numel()});
+  }
   std::vector<at::Tensor> blocks;
   blocks.reserve(tensors.size());
   for (std::int64_t i = 0; i < layout.num_params(); ++i) {
     const at::Tensor& t = tensors[static_cast<std::size_t>(i)];
     blocks.push_back(t.reshape({ranks, layout.rows_per_shard(i) * layout.row_numel(i)}));
   }
-  at::Tensor flat = at::empty({ranks, layout.shard_numel()}, options);
   at::cat_out(flat, blocks, 1);
   return flat.view({layout.padded_numel()});
 }

@@ -28,21 +28,29 @@ std::vector<std::pair<at::Tensor, at::Tensor>> dim0_row_pieces(const at::Tensor&
                                                                std::int64_t num_ranks = -1);
 
 // [Note: One copy a unit]
-// Where the layout's rows divide (FlatParamLayout::rows_divide: every parameter on
-// dim 0, its rows a multiple of F), parameter i is exactly the (F, c_i row_i) block
-// of the gathered tensor viewed (F, S) at column offsets[i]: reading every parameter
-// out is one split_with_sizes_copy along dim 1 and writing gradients in is one cat
-// along dim 1, as torch's FSDP2 does (it pads its parameters to get there). On CUDA
-// each is one kernel for the whole unit instead of one a parameter; on CPUs one
-// dispatch. Elsewhere (padding rows, a parameter sharded on another dim) the pieces
-// above, copied one by one.
+// Where every parameter is sharded on dim 0 (FlatParamLayout::all_on_dim0), parameter i
+// padded to F c_i rows is exactly the (F, c_i row_i) block of the gathered tensor
+// viewed (F, S) at column offsets[i] (the padding rows are the gathered tensor's
+// zeros): reading every parameter out is one split_with_sizes_copy along dim 1 into
+// buffers padded so, as torch's FSDP2 reads its all-gather out, and writing gradients
+// in is one cat along dim 1 where the rows divide (rows_divide: no padding), else one
+// _chunk_cat, which pads each gradient's chunks with zeros as torch's FSDP2 writes its
+// reduce-scatter input. On CUDA each is one kernel for the whole unit instead of one or
+// two a parameter; on CPUs one dispatch. A parameter sharded on another dim: the
+// pieces above, copied one by one.
 
 // Parameter i's rows out of `gathered` (1-D, layout.padded_numel() long) into
-// `params[i]` (contiguous, parameter i's numel), all at once. Requires rows_divide().
+// `params[i]` (contiguous, F c_i row_i elements: parameter i's rows, then room for
+// its padding rows, which get the gathered zeros), all at once. Requires all_on_dim0().
 void copy_rows_out(const at::Tensor& gathered, const FlatParamLayout& layout, const std::vector<at::Tensor>& params);
 
-// The rank-major flat tensor of `tensors` (one per parameter, each with its
-// parameter's numel; none undefined), in `options`. Requires rows_divide().
+// Whether rank_major takes `tensors` (one per parameter, each with its parameter's
+// numel): every parameter on dim 0, none undefined, and where the rows do not divide,
+// none empty and all of one dtype (what _chunk_cat takes).
+bool rank_major_takes(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout);
+
+// The rank-major flat tensor of `tensors`, in `options`, its padding rows zero.
+// Requires rank_major_takes(tensors, layout).
 at::Tensor rank_major(const std::vector<at::Tensor>& tensors, const FlatParamLayout& layout,
                       const at::TensorOptions& options);
 

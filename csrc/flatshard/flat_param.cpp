@@ -72,14 +72,12 @@ at::Tensor FlatParamHandle::flatten(const std::vector<at::Tensor>& tensors, cons
               "flatshard.flatten: expected ", layout.num_params(), " tensors but got ",
               tensors.size());
   if (layout.kind() == LayoutKind::kDim0 && layout.shard_factor() > 1) {  // rank-major rows: see [Note: Dim-0 layout]
-    bool all_defined = true;
     for (std::int64_t i = 0; i < layout.num_params(); ++i) {
       const at::Tensor& t = tensors[i];
-      all_defined = all_defined && t.defined();
       TORCH_CHECK(!t.defined() || t.numel() == layout.numels()[i], "flatshard.flatten: tensor ", i, " has shape ",
                   shape_str(t.sizes()), " but the layout expects ", shape_str(layout.shapes()[i]));
     }
-    if (layout.rows_divide() && all_defined) return rank_major(tensors, layout, options);  // [Note: One copy a unit]
+    if (rank_major_takes(tensors, layout)) return rank_major(tensors, layout, options);  // [Note: One copy a unit]
     at::Tensor flat = at::zeros({layout.padded_numel()}, options);
     for (std::int64_t i = 0; i < layout.num_params(); ++i) {
       if (!tensors[i].defined()) continue;
@@ -197,17 +195,23 @@ void FlatParamHandle::make_buffers() {
     if (copies_out()) {
       // The views are of the parameters' own buffer, refilled through a second TensorImpl (see
       // [Note: Unsharded storage]); the gathered buffer is nobody's view.
-      packed_layout_.emplace(layout_.shapes(), 1);
-      const FlatParamLayout& packed = *packed_layout_;
-      params_ = empty_without_memory(packed.padded_numel(), compute);
+      param_offsets_.clear();
+      params_numel_ = 0;
+      for (std::int64_t i = 0; i < layout_.num_params(); ++i) {  // (padded: see [Note: Copy-out])
+        param_offsets_.push_back(params_numel_);
+        params_numel_ += layout_.all_on_dim0()
+                             ? layout_.shard_factor() * layout_.rows_per_shard(i) * layout_.row_numel(i)
+                             : layout_.numels()[static_cast<std::size_t>(i)];
+      }
+      params_ = empty_without_memory(params_numel_, compute);
       params_target_ = at::empty({0}, compute);
-      params_target_.set_(params_.storage(), 0, {packed.padded_numel()}, {1});
+      params_target_.set_(params_.storage(), 0, {params_numel_}, {1});
       if (casts_) {
-        const at::Tensor base = empty_without_memory(packed.padded_numel(), options.device(compute_device_));
-        placeholder_views_ = views_of(base, packed);
+        const at::Tensor base = empty_without_memory(params_numel_, options.device(compute_device_));
+        placeholder_views_ = param_views(base);
         resize_storage(base.storage().unsafeGetStorageImpl(), 0);
       } else {
-        placeholder_views_ = views_of(params_, packed);
+        placeholder_views_ = param_views(params_);
       }
       resize_storage(params_.storage().unsafeGetStorageImpl(), 0);
     } else if (is_replicated()) {
@@ -395,7 +399,17 @@ bool FlatParamHandle::has_unsharded_storage() const {
 }
 
 std::int64_t FlatParamHandle::params_nbytes() const {
-  return layout_.unpadded_numel() * static_cast<std::int64_t>(params_.element_size());
+  return params_numel_ * static_cast<std::int64_t>(params_.element_size());
+}
+
+std::vector<at::Tensor> FlatParamHandle::param_views(const at::Tensor& buffer) const {
+  std::vector<at::Tensor> views;
+  views.reserve(static_cast<std::size_t>(layout_.num_params()));
+  for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    views.push_back(buffer.narrow(0, param_offsets_[k], layout_.numels()[k]).view(layout_.shapes()[k]));
+  }
+  return views;
 }
 
 void FlatParamHandle::copy_out() {
@@ -406,18 +420,19 @@ void FlatParamHandle::copy_out() {
     resize_storage(params_.storage().unsafeGetStorageImpl(), static_cast<std::size_t>(params_nbytes()));
     MemoryCounter::add(params_nbytes());
   }
-  if (layout_.rows_divide()) {  // see [Note: One copy a unit] in dim0_rows.h
+  if (layout_.all_on_dim0()) {  // see [Note: One copy a unit] in dim0_rows.h
     std::vector<at::Tensor> outs;
     outs.reserve(static_cast<std::size_t>(layout_.num_params()));
     for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
-      outs.push_back(params_target_.narrow(0, packed_layout_->offsets()[i], layout_.numels()[i]));
+      outs.push_back(params_target_.narrow(0, param_offsets_[static_cast<std::size_t>(i)],
+                                           layout_.shard_factor() * layout_.rows_per_shard(i) * layout_.row_numel(i)));
     }
     copy_rows_out(all_gather_target_, layout_, outs);
   } else {
     for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
       const std::int64_t numel = layout_.numels()[i];
       if (numel == 0) continue;
-      const at::Tensor out = params_target_.narrow(0, packed_layout_->offsets()[i], numel);
+      const at::Tensor out = params_target_.narrow(0, param_offsets_[static_cast<std::size_t>(i)], numel);
       for (auto& [from, into] : dim0_row_pieces(all_gather_target_, layout_, i, out)) into.copy_(from);
     }
   }
@@ -442,7 +457,7 @@ void FlatParamHandle::keep_post_forward_shard(std::int64_t group_size, std::int6
   for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
     const std::int64_t numel = layout_.numels()[i];
     if (numel == 0) continue;
-    const at::Tensor param = params_.narrow(0, packed_layout_->offsets()[i], numel);
+    const at::Tensor param = params_.narrow(0, param_offsets_[static_cast<std::size_t>(i)], numel);
     for (auto& [into, from] : dim0_row_pieces(chunk, layout_, i, param, first, ranks)) into.copy_(from);
   }
   post_forward_shard_ = std::move(chunk);
@@ -457,7 +472,7 @@ void FlatParamHandle::drop_post_forward_shard() {
 
 std::vector<at::Tensor> FlatParamHandle::views() const {
   if (!copies_out()) return views_of(unsharded_, layout_);
-  return views_of(params_, *packed_layout_);
+  return param_views(params_);
 }
 
 

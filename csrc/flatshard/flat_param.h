@@ -297,8 +297,11 @@ class FlatParamHandle {
   // With the dim-0 layout and a shard factor above 1 a parameter is not a view of
   // the gathered buffer (see [Note: Dim-0 layout]): once the all-gather completed
   // (Scheduler::wait_for_unshard, on the compute stream) its rows are copied into a
-  // buffer of the parameters packed in order, whose views the modules get, and the
-  // gathered buffer is freed. The unsharded state is then that buffer alone; a
+  // buffer of the parameters in order, whose views the modules get, and the gathered
+  // buffer is freed. Where every parameter is on dim 0, each one's region there is
+  // padded to F c_i rows, as torch's FSDP2 pads its all-gather outputs, so that the
+  // copy is one for the whole unit (see [Note: One copy a unit] in dim0_rows.h); its
+  // view is the region's first d0_i rows. The unsharded state is then that buffer alone; a
   // gradient is written back into the rank-major order (accumulate_grad) for the
   // reduce-scatter. A no-op for the flat layout.
   void copy_out();
@@ -356,11 +359,15 @@ class FlatParamHandle {
   bool pin_host_memory_ = true;  // with offload_: host memory pinned (see FlatParamOptions)
   bool casts_ = false;    // the shard's dtype or device differs from the compute ones
   at::Tensor all_gather_input_;
-  // See [Note: Copy-out]: the parameters' buffer, its refill TensorImpl, and their packed layout.
+  // See [Note: Copy-out]: the parameters' buffer, its refill TensorImpl, where each parameter's region
+  // starts in it, and its elements.
   at::Tensor params_;
   at::Tensor params_target_;
-  std::optional<FlatParamLayout> packed_layout_;
+  std::vector<std::int64_t> param_offsets_;
+  std::int64_t params_numel_ = 0;
   std::int64_t params_nbytes() const;
+  // Each parameter's view of `buffer` (params_, or a buffer of its size): its region's first numel elements.
+  std::vector<at::Tensor> param_views(const at::Tensor& buffer) const;
   std::vector<at::Tensor> host_grads_;  // reduced shards on their way to the host (offload)
 };
 

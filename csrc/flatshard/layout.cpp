@@ -88,8 +88,10 @@ FlatParamLayout FlatParamLayout::dim0(std::vector<std::vector<std::int64_t>> sha
   }
   layout.padded_numel_ = cursor * shard_factor;
   layout.rows_divide_ = true;
+  layout.all_on_dim0_ = true;
   for (std::size_t i = 0; i < layout.shapes_.size(); ++i) {
     layout.rows_divide_ = layout.rows_divide_ && layout.shard_dims_[i] == 0 && layout.rows_[i] % shard_factor == 0;
+    layout.all_on_dim0_ = layout.all_on_dim0_ && layout.shard_dims_[i] == 0;
   }
   layout.unpadded_numel_ = 0;
   for (std::int64_t n : layout.numels_) layout.unpadded_numel_ += n;

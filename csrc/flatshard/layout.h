@@ -90,6 +90,11 @@ class FlatParamLayout {
   // tensor viewed (F, S) is their concatenation along dim 1 (see [Note: One copy a
   // unit] in dim0_rows.h). False for the flat layout.
   bool rows_divide() const { return rows_divide_; }
+  // Dim-0 layout: whether every parameter is sharded on dim 0 (rows that divide or
+  // not), so that each, padded to F c_i rows as torch's FSDP2 pads it, is viewed
+  // (F, c_i row_i) and the gathered tensor is still their concatenation along dim 1.
+  // False for the flat layout.
+  bool all_on_dim0() const { return all_on_dim0_; }
 
   std::int64_t num_params() const { return static_cast<std::int64_t>(shapes_.size()); }
   const std::vector<std::vector<std::int64_t>>& shapes() const { return shapes_; }
@@ -128,6 +133,7 @@ class FlatParamLayout {
   std::vector<std::int64_t> rows_;            // dim-0 layout only
   std::vector<std::int64_t> shard_dims_;      // dim-0 layout only
   bool rows_divide_ = false;                  // dim-0 layout only
+  bool all_on_dim0_ = false;                  // dim-0 layout only
 };
 
 }  // namespace flatshard

@@ -300,6 +300,37 @@ TEST(Scheduler, Dim0LayoutWhoseRowsDivideCopiesInOneOp) {
   });
 }
 
+// Rows that do not divide, every parameter on dim 0 (see [Note: One copy a unit]): the parameters' buffer pads each
+// one to F c_i rows, as torch's FSDP2 pads its all-gather outputs (so that the copy-out is one split), the views are
+// the regions' first rows; the first gradient of a backward, all defined, is one _chunk_cat, its padding rows zero.
+// Values as the pieces' (torch.chunk's rows), a parameter with fewer rows than ranks included.
+TEST(Scheduler, Dim0LayoutWhoseRowsDoNotDivideCopiesInOneOpToo) {
+  run_ranks(3, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    const std::vector<at::Tensor> originals = {at::arange(10, at::kFloat).view({5, 2}), at::arange(10, 14, at::kFloat),
+                                               at::arange(14, 15, at::kFloat)};
+    const FlatParamLayout layout = FlatParamLayout::dim0({{5, 2}, {4}, {1}}, 3);
+    ASSERT_TRUE(layout.all_on_dim0());
+    ASSERT_FALSE(layout.rows_divide());
+    ASSERT_FALSE(FlatParamLayout::dim0({{3, 6}}, 3, {1}).all_on_dim0());
+    FlatParamHandle unit("unit", layout, rank, originals, averaged_over(3));
+    Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
+    expect_chunk_rows_then_originals(unit, scheduler, originals, layout, rank);
+    // c = 2, 2, 1 rows of 2, 1, 1 elements: regions of 3 * 4, 3 * 2 and 3 * 1 elements.
+    const auto views = unit.views();
+    EXPECT_EQ(views[0].storage().nbytes(), 21u * sizeof(float));
+    EXPECT_EQ(views[1].storage_offset(), 12);
+    EXPECT_EQ(views[2].storage_offset(), 18);
+    scheduler.reshard(unit);
+    const float r = static_cast<float>(rank + 1);
+    unit.accumulate_grad({originals[0] * r, originals[1] * r, originals[2] * r});
+    unit.accumulate_grad({originals[0] * r, at::Tensor(), at::Tensor()});
+    scheduler.reduce_grad(unit);
+    scheduler.finish_grad_sync();
+    const std::vector<at::Tensor> averaged = {originals[0] * 4, originals[1] * 2, originals[2] * 2};
+    EXPECT_TRUE(at::allclose(unit.local_shard().grad(), chunk_rows_of_rank(averaged, layout, rank)));
+  });
+}
+
 TEST(FlatParamHandle, RejectsMismatchedShapesAndNamesTheUnit) {
   FlatParamLayout layout({{3, 2}}, 2);
   try {
