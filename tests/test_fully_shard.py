@@ -41,7 +41,7 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
          "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
-         "matrices_on_dim_1"]
+         "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook"]
 WORLD_SIZES = [1, 2, 4]
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
@@ -53,7 +53,8 @@ W4_CASES = ["reshard_after_forward=None", "reshard_after_forward=False", "no_gra
             "bf16_params_fp32_reduce", "fp16_params_and_reduce", "frozen_base_weights", "reshard_after_forward=2",
             "reshard_after_forward=2_bf16", "matrices_on_dim_1"]
 # At W = 4 only: HSDP on a 2x2 mesh (replicate, shard), resharding after forward or not.
-HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False", "hsdp_2x2_reduce_scatter_only"]
+HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False", "hsdp_2x2_reduce_scatter_only",
+              "hsdp_2x2_all_reduce_hook"]
 
 
 def _cases_at(world_size: int) -> list[str]:
@@ -141,6 +142,12 @@ def _build(impl: str, case: str) -> nn.Module:
         for i, block in enumerate(model.blocks):
             block.set_modules_to_forward_prefetch(list(model.blocks[i + 1:i + 2]))
             block.set_modules_to_backward_prefetch(list(model.blocks[max(i - 1, 0):i]))
+    if case.endswith("all_reduce_hook"):  # torchft's use: each reduced shard changed in place; scaled and shifted, so
+        # that where it runs against the division shows (after it in fp32, where torch divides inside its collectives;
+        # before it in fp16, where torch sums, then divides)
+        model.hook_calls = []
+        for m in [model, *model.blocks]:
+            m.set_all_reduce_hook(functools.partial(_scale_and_shift, model.hook_calls))
     if case == "divide_factor_summed":  # SUM, then divided by 3 (torch's PREMUL_SUM, unforced, is NCCL's alone)
         for m in [model, *model.blocks]:
             m.set_force_sum_reduction_for_comms(True)
@@ -158,6 +165,11 @@ def _build(impl: str, case: str) -> nn.Module:
             for b, want in zip(model.buffers(), reference.buffers()):
                 b.copy_(want)
     return model
+
+
+def _scale_and_shift(calls: list, reduce_output: torch.Tensor) -> None:
+    calls.append((str(reduce_output.dtype), reduce_output.numel()))
+    reduce_output.mul_(0.5).add_(1e-3)
 
 
 def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
@@ -208,7 +220,8 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
     """Problems found (empty: flatshard's run equals torch FSDP2's bit for bit)."""
     from flatshard import _C
 
-    theirs = _train(_build("torch", case), case, rank, world_size)
+    torch_model = _build("torch", case)
+    theirs = _train(torch_model, case, rank, world_size)
     model = _build("flatshard", case)
     problems = []
     if case == "explicit_prefetch" and world_size > 1:  # block 1's all-gather issued in block 0's pre-forward
@@ -240,6 +253,8 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
             if handle.collective_bytes["all_gather"] != want:
                 problems.append(f"{name} all-gathered {handle.collective_bytes['all_gather']} bytes in {STEPS} steps, "
                                 f"not {want} (its shard in forward, twice that in backward)")
+    if case.endswith("all_reduce_hook") and sorted(model.hook_calls) != sorted(torch_model.hook_calls):
+        problems.append(f"the all-reduce hooks saw {sorted(model.hook_calls)}, torch's {sorted(torch_model.hook_calls)}")
     if case == "matrices_on_dim_1":
         dims = {p.placements[-1].dim for p in model.parameters() if p.ndim == 2}
         if dims != {1}:
@@ -565,8 +580,19 @@ def _refusals(rank: int, world_size: int) -> None:
         early.to("meta")
     assert all(p.dtype == torch.float32 and torch.equal(p.to_local(), b) for p, b in zip(early.parameters(), before))
     early(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()  # (still trains)
-    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_all_reduce_hook: not supported"):
-        model.set_all_reduce_hook(lambda grad: None)
+    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_custom_all_gather: not supported"):
+        model.set_custom_all_gather(lambda *args: None)
+    hsdp = fully_shard(fresh(), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    with pytest.raises(ValueError, match="^stream cannot be set when using native HSDP$"):  # (torch's type and phrase)
+        hsdp.set_all_reduce_hook(lambda reduce_output: None, stream=object())
+
+    def fails(reduce_output):
+        raise RuntimeError("the hook's own error")
+
+    hooked = fully_shard(fresh())
+    hooked.set_all_reduce_hook(fails)
+    with pytest.raises(RuntimeError, match="the hook's own error"):  # (out of the backward, as torch's)
+        hooked(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()
     with pytest.raises(ValueError, match=r"set_modules_to_forward_prefetch: expects FSDPModules .* but got Linear"):
         model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
 

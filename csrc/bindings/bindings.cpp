@@ -113,6 +113,27 @@ PYBIND11_MODULE(_C, m) {
       .def("has_post_forward_shard", &FlatParamHandle::has_post_forward_shard)
       .def_property("requires_all_reduce", &FlatParamHandle::requires_all_reduce,
                     &FlatParamHandle::set_requires_all_reduce, "See [Note: Reduce-scatter only] in flat_param.h.")
+      .def(
+          "set_all_reduce_hook",
+          [](FlatParamHandle& unit, py::object hook, bool after_postdivide) {
+            if (hook.is_none()) {
+              unit.set_all_reduce_hook({}, false);
+              return;
+            }
+            // Called with the GIL released (inside the scheduler's calls); the callable is released with the GIL.
+            std::shared_ptr<py::object> held(new py::object(std::move(hook)), [](py::object* callable) {
+              py::gil_scoped_acquire gil;
+              delete callable;
+            });
+            unit.set_all_reduce_hook(
+                [held](const at::Tensor& grad_shard) {
+                  py::gil_scoped_acquire gil;
+                  (*held)(grad_shard);  // (a Python exception propagates as py::error_already_set)
+                },
+                after_postdivide);
+          },
+          py::arg("hook"), py::arg("after_postdivide") = false,
+          "See [Note: The all-reduce hook] in flat_param.h; None removes it.")
       .def("set_divide_factors", &FlatParamHandle::set_divide_factors, py::arg("predivide"), py::arg("postdivide"),
            "The gradient's division before and after the SUM from now on (see Scheduler::reduce_grad).")
       .def_property_readonly("local_shard", &FlatParamHandle::local_shard)

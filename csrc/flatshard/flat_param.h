@@ -56,6 +56,7 @@
 #include <atomic>
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -227,6 +228,22 @@ class FlatParamHandle {
   // sum, once, as torch's FSDP2 does. The sum is before the post-divide (which follows the all-reduce).
   bool requires_all_reduce() const { return requires_all_reduce_; }
   void set_requires_all_reduce(bool requires) { requires_all_reduce_ = requires; }
+  // [Note: The all-reduce hook]
+  // fully_shard's set_all_reduce_hook: called on each reduced gradient shard of the unit (after the
+  // reduce-scatter, and after the replicas' all-reduce with HSDP; not for a backward that only
+  // reduce-scatters, see [Note: Reduce-scatter only]), in reduce_dtype, on the reduction's stream, as
+  // torch's FSDP2 calls it; it may change the shard in place (torchft all-reduces it over its replica
+  // group there). It sees what torch's sees: where torch divides inside its collectives (ReduceOp.AVG
+  // or PREMUL_SUM: fp32 and bf16 unless summing is forced) the divided shard, so `after_postdivide`;
+  // else the sum, before the post-divide. Empty: none. Its exceptions propagate out of the scheduler
+  // call that completed the reduction (a post-backward, or the end of backward).
+  using GradShardHook = std::function<void(const at::Tensor&)>;
+  void set_all_reduce_hook(GradShardHook hook, bool after_postdivide) {
+    all_reduce_hook_ = std::move(hook);
+    hook_after_postdivide_ = after_postdivide;
+  }
+  const GradShardHook& all_reduce_hook() const { return all_reduce_hook_; }
+  bool hook_after_postdivide() const { return hook_after_postdivide_; }
   at::Tensor& partial_replica_sum() { return partial_replica_sum_; }
 
   // Gives the unsharded buffer its storage. Safe to call twice. Allocates with
@@ -336,6 +353,8 @@ class FlatParamHandle {
   double postdivide_ = 1.0;
   bool all_reduce_replicas_ = false;
   bool requires_all_reduce_ = true;  // see [Note: Reduce-scatter only]
+  GradShardHook all_reduce_hook_;    // see [Note: The all-reduce hook]
+  bool hook_after_postdivide_ = false;
   at::Tensor partial_replica_sum_;
   std::string all_gather_range_;
   std::string wait_range_;

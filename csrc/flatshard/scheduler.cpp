@@ -361,7 +361,11 @@ void Scheduler::complete_replica_reduction() {
     shard.narrow(0, 0, shard_grad.numel()).copy_(shard_grad);
     shard_grad = std::move(shard);
   }
+  // See [Note: The all-reduce hook].
+  const FlatParamHandle::GradShardHook& hook = record.unit->all_reduce_hook();
+  if (hook && !record.unit->hook_after_postdivide()) hook(shard_grad);
   if (record.unit->postdivide() != 1.0) shard_grad.div_(record.unit->postdivide());
+  if (hook && record.unit->hook_after_postdivide()) hook(shard_grad);
   record.unit->accumulate_grad_shard(shard_grad);
   if (record.unit->has_offloaded_grads()) offloaded_.insert(record.unit);
   // `.grad` is read, and a dropped shard_grad's memory reused, in compute-stream order.

@@ -220,6 +220,12 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     )
 
 
+def divides_in_collectives(reduce_dtype: torch.dtype | None, force_sum: bool) -> bool:
+    """Whether torch's FSDP2 divides inside its collectives (ReduceOp.AVG or PREMUL_SUM): in fp32 and bf16 unless
+    summing is forced; else it sums and divides apart (see ``divide_factors``)."""
+    return reduce_dtype in (None, torch.float32, torch.bfloat16) and not force_sum
+
+
 def divide_factors(reduce_dtype: torch.dtype | None, world_size: int, replicas: int, factor: float | None = None,
                    force_sum: bool = False) -> tuple[float, float]:
     """How FSDP2 divides a gradient, as the runtime's (before, after) the SUM. By default it averages over every
@@ -231,7 +237,7 @@ def divide_factors(reduce_dtype: torch.dtype | None, world_size: int, replicas: 
     the SUM, then the division."""
     data_parallel = float(world_size * replicas)
     overflow_risk = reduce_dtype not in (None, torch.float32, torch.bfloat16)
-    if not overflow_risk and not force_sum:
+    if divides_in_collectives(reduce_dtype, force_sum):
         if factor is None:
             return 1.0, data_parallel
         return (1.0, float(factor)) if factor == world_size else (float(factor), 1.0)

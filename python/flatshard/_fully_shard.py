@@ -173,10 +173,31 @@ def _fsdp_class(cls: type) -> type:
 
 
 # FSDPModule's methods flatshard does not have yet: each raises NotImplementedError naming itself.
-_NOT_YET = ("set_custom_all_gather",
-            "set_custom_reduce_scatter", "set_all_reduce_hook",
+_NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter",
             "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
             "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm")
+
+
+def _install_all_reduce_hook(s: UnitState) -> None:
+    """The unit's all-reduce hook into its handle, where torch's calls it: after the division where torch divides
+    inside its collectives (fp32 and bf16, summing not forced), else before (see [Note: The all-reduce hook])."""
+    if s.handle is None or s.all_reduce_hook is None:
+        return
+    reduce_dtype = s.config.mixed_precision.reduce_dtype if s.config.mixed_precision is not None else None
+    s.handle.set_all_reduce_hook(s.all_reduce_hook, after_postdivide=_fsdp2_config.divides_in_collectives(
+        reduce_dtype, s.config.force_sum_reduction))
+
+
+def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:
+    """``hook`` run on ``stream`` after what the current stream queued, the current stream then waiting for it."""
+
+    def on_stream(reduce_output: torch.Tensor) -> None:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            hook(reduce_output)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    return on_stream
 
 
 def _prefetch_states(method: str, modules: list) -> list[UnitState]:
@@ -247,6 +268,20 @@ class FSDPModule(TorchFSDPModule):
             if m._unit_state.handle is not None:
                 m._unit_state.handle.requires_all_reduce = bool(requires_all_reduce)
 
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """``hook(reduce_output)`` on each of this module's reduced gradient shards (after the reduce-scatter; with HSDP
+        after the replicas' all-reduce), before the post-divide, as torch's: it may change it in place (torchft
+        all-reduces it over its replica group). See [Note: The all-reduce hook] in csrc/flatshard/flat_param.h.
+        ``stream`` (1-D meshes only, as torch's): the hook runs there, the reduction's stream waiting for it. The
+        shard is the unit's whole one (torch's leaves out parameters no rank gave a gradient to)."""
+        s = self._unit_state
+        if s.config.mesh.ndim > 1 and stream is not None:
+            raise ValueError("stream cannot be set when using native HSDP")  # (torch's message)
+        if not callable(hook):
+            raise ValueError(f"FSDPModule.set_all_reduce_hook: expected a callable hook(reduce_output) but got {hook!r}")
+        s.all_reduce_hook = hook if stream is None else _on_stream(hook, stream)
+        _install_all_reduce_hook(s)
+
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: after a backward that reduced a unit's gradients, every trainable parameter of it has a ``.grad``, zeros
         where no rank gave it a gradient, as torch's (for ranks whose forwards use different parameters: mixture of
@@ -294,6 +329,7 @@ class FSDPModule(TorchFSDPModule):
         s.config = _fsdp2_config.with_divide_factors(s.config, factor, force_sum)
         if s.handle is not None:
             s.handle.set_divide_factors(s.config.predivide, s.config.postdivide)
+        _install_all_reduce_hook(s)  # (where it sees the shard follows where torch's divides)
         if s.root is not None and s.root.guard is not None:  # (the guard hashes each unit's configuration)
             s.root.guard.model_changed()
 
