@@ -295,6 +295,11 @@ def _child_main(
             init_method=init_method,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        if backend == "gloo":
+            # gloo's init has no barrier either: a rank whose test fails at once would be reported (and its peers
+            # killed) while a peer still connects, whose report is then gloo's "Connection closed by peer" instead
+            # of its test's. Every rank joins before any runs its test (NCCL connects lazily, at the first collective).
+            dist.barrier()
         result = fn(rank, world_size, *args, **kwargs)
         if dist.is_initialized() and not _GROUP_ABANDONED:
             # Without it a fast rank could exit while a peer is still connecting to it
