@@ -591,8 +591,24 @@ def _refusals(rank: int, world_size: int) -> None:
 
     hooked = fully_shard(fresh())
     hooked.set_all_reduce_hook(fails)
+    tokens = torch.zeros(2, SEQ, dtype=torch.long)
     with pytest.raises(RuntimeError, match="the hook's own error"):  # (out of the backward, as torch's)
-        hooked(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()
+        hooked(tokens).sum().backward()
+    # That backward's gradients are dropped (none half-reduced left for the next step), and training goes on
+    assert all(p.grad is None for p in hooked.parameters())
+    hooked.set_all_reduce_hook(None)
+    hooked(tokens).sum().backward()
+    assert all(p.grad is not None for p in hooked.parameters())
+    # The runtime holds the hook weakly: a hook that refers to its model keeps nothing alive
+    import gc
+    import weakref
+
+    cyclic = fully_shard(fresh())
+    cyclic.set_all_reduce_hook(lambda reduce_output, model=cyclic: None)
+    gone = weakref.ref(cyclic)
+    del cyclic
+    gc.collect()
+    assert gone() is None, "a model whose all-reduce hook refers to it was never collected"
     with pytest.raises(ValueError, match=r"set_modules_to_forward_prefetch: expects FSDPModules .* but got Linear"):
         model.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
 

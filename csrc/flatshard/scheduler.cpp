@@ -138,14 +138,16 @@ void Scheduler::stream_wait(const c10::Stream& waiter, const c10::Stream& signal
 }
 
 void Scheduler::reap_completed_reductions() {
-  // Never one that would issue a replica all-reduce: when the host notices a
-  // completion differs between ranks, and collectives must be issued in the
-  // same order everywhere (NCCL requires it across communicators too).
+  // Never one that would issue a replica all-reduce, or run an all-reduce hook
+  // (which issues the user's collectives: see [Note: The all-reduce hook]): when
+  // the host notices a completion differs between ranks, and collectives must be
+  // issued in the same order everywhere (NCCL requires it across communicators too).
   while (!reductions_.empty() && !reductions_.front().unit->all_reduce_replicas() &&
-         reductions_.front().shard_work.is_completed()) {
+         !reductions_.front().unit->all_reduce_hook() && reductions_.front().shard_work.is_completed()) {
     complete_shard_reduction();
   }
-  while (!replica_reductions_.empty() && replica_reductions_.front().replica_work.is_completed()) {
+  while (!replica_reductions_.empty() && !replica_reductions_.front().unit->all_reduce_hook() &&
+         replica_reductions_.front().replica_work.is_completed()) {
     complete_replica_reduction();
   }
 }
@@ -361,11 +363,20 @@ void Scheduler::complete_replica_reduction() {
     shard.narrow(0, 0, shard_grad.numel()).copy_(shard_grad);
     shard_grad = std::move(shard);
   }
-  // See [Note: The all-reduce hook].
+  // See [Note: The all-reduce hook]. Should it raise, the compute stream still waits for this stream before
+  // the shard's memory goes back to its pool.
   const FlatParamHandle::GradShardHook& hook = record.unit->all_reduce_hook();
-  if (hook && !record.unit->hook_after_postdivide()) hook(shard_grad);
+  const auto run_hook = [&] {
+    try {
+      hook(shard_grad);
+    } catch (...) {
+      stream_wait(current_stream(), all_reduce_stream_);
+      throw;
+    }
+  };
+  if (hook && !record.unit->hook_after_postdivide()) run_hook();
   if (record.unit->postdivide() != 1.0) shard_grad.div_(record.unit->postdivide());
-  if (hook && record.unit->hook_after_postdivide()) hook(shard_grad);
+  if (hook && record.unit->hook_after_postdivide()) run_hook();
   record.unit->accumulate_grad_shard(shard_grad);
   if (record.unit->has_offloaded_grads()) offloaded_.insert(record.unit);
   // `.grad` is read, and a dropped shard_grad's memory reused, in compute-stream order.

@@ -27,6 +27,7 @@ meshes of 3 or more dims, a parameter given a mesh of its own, and the FSDPModul
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 import weakref
@@ -178,14 +179,26 @@ _NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter",
             "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm")
 
 
-def _install_all_reduce_hook(s: UnitState) -> None:
+def _install_all_reduce_hook(module: nn.Module) -> None:
     """The unit's all-reduce hook into its handle, where torch's calls it: after the division where torch divides
     inside its collectives (fp32 and bf16, summing not forced), else before (see [Note: The all-reduce hook])."""
-    if s.handle is None or s.all_reduce_hook is None:
+    s = module._unit_state
+    if s.handle is None:
         return
-    reduce_dtype = s.config.mixed_precision.reduce_dtype if s.config.mixed_precision is not None else None
-    s.handle.set_all_reduce_hook(s.all_reduce_hook, after_postdivide=_fsdp2_config.divides_in_collectives(
-        reduce_dtype, s.config.force_sum_reduction))
+    if s.all_reduce_hook is None:
+        s.handle.set_all_reduce_hook(None)
+        return
+    # (The runtime holds a weak reference to the module, the module's state the hook: a hook that refers to the model
+    # makes no cycle through C++, which Python's collector could not see.)
+    s.handle.set_all_reduce_hook(functools.partial(_run_all_reduce_hook, weakref.ref(module)),
+                                 after_postdivide=_fsdp2_config.divides_in_collectives(
+                                     s.handle.reduce_dtype, s.config.force_sum_reduction))
+
+
+def _run_all_reduce_hook(module: weakref.ref, reduce_output: torch.Tensor) -> None:
+    m = module()
+    if m is not None and m._unit_state.all_reduce_hook is not None:
+        m._unit_state.all_reduce_hook(reduce_output)
 
 
 def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:
@@ -277,10 +290,10 @@ class FSDPModule(TorchFSDPModule):
         s = self._unit_state
         if s.config.mesh.ndim > 1 and stream is not None:
             raise ValueError("stream cannot be set when using native HSDP")  # (torch's message)
-        if not callable(hook):
+        if hook is not None and not callable(hook):
             raise ValueError(f"FSDPModule.set_all_reduce_hook: expected a callable hook(reduce_output) but got {hook!r}")
-        s.all_reduce_hook = hook if stream is None else _on_stream(hook, stream)
-        _install_all_reduce_hook(s)
+        s.all_reduce_hook = hook if stream is None or hook is None else _on_stream(hook, stream)
+        _install_all_reduce_hook(self)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: after a backward that reduced a unit's gradients, every trainable parameter of it has a ``.grad``, zeros
@@ -329,7 +342,7 @@ class FSDPModule(TorchFSDPModule):
         s.config = _fsdp2_config.with_divide_factors(s.config, factor, force_sum)
         if s.handle is not None:
             s.handle.set_divide_factors(s.config.predivide, s.config.postdivide)
-        _install_all_reduce_hook(s)  # (where it sees the shard follows where torch's divides)
+        _install_all_reduce_hook(self)  # (where it sees the shard follows where torch's divides)
         if s.root is not None and s.root.guard is not None:  # (the guard hashes each unit's configuration)
             s.root.guard.model_changed()
 

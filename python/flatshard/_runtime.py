@@ -796,7 +796,11 @@ def finish_backward(root: RootState) -> None:
                 _comm_hooks.reduce(s)
             else:
                 root.scheduler.reduce_grad(handle)
-    root.scheduler.finish_grad_sync()
+    try:
+        root.scheduler.finish_grad_sync()
+    except BaseException:  # (a fully_shard all-reduce hook's error: the backward's gradients dropped, as any raised)
+        abort_backward(root)
+        raise
     if root.guard is not None:  # see [Note: Gradients given on some ranks only] in _rank_guard.py
         _rank_guard.record_gradient_pattern(root)  # (before use_grad_views lets go of the flat gradients)
     for unit in root.units:
