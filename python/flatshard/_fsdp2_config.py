@@ -157,6 +157,12 @@ def _mixed_precision(mp_policy: Any) -> MixedPrecision | None:
                           cast_root_forward_inputs=mp_policy.cast_forward_inputs)
 
 
+def _own_dtype(module: nn.Module, ignored_params: set[nn.Parameter] | None) -> torch.dtype | None:
+    """The dtype of the module's first parameter fully_shard manages (None: it has none)."""
+    ignored = ignored_params or set()
+    return next((p.dtype for p in module.parameters() if p not in ignored), None)
+
+
 def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | None,
             shard_placement_fn: Callable | None, mp_policy: Any, offload_policy: Any,
             ignored_params: set[nn.Parameter] | None) -> UnitConfig:
@@ -175,7 +181,10 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     reshard_to = _reshard_to(module, reshard_after_forward, world_size) if given else True
     reshard = reshard_to is not False
     mp = _mixed_precision(mp_policy)
-    predivide, postdivide = divide_factors(mp.reduce_dtype if mp is not None else None, world_size, replicas)
+    # Without a reduce dtype the gradients are reduced in the parameters' own (an fp16 model's: FSDP2's overflow-safe
+    # divisions, before and after the SUM)
+    predivide, postdivide = divide_factors(mp.reduce_dtype if mp is not None else _own_dtype(module, ignored_params),
+                                           world_size, replicas)
     return UnitConfig(
         process_group=group,
         replicate_group=replicate_group,
@@ -260,10 +269,12 @@ def with_reshard_after_forward(config: UnitConfig, reshard_after_forward: bool) 
                                sharding_strategy=_strategy(reshard_after_forward, config.replicate_group is not None))
 
 
-def with_divide_factors(config: UnitConfig, factor: float | None, force_sum: bool) -> UnitConfig:
-    """``config`` after ``FSDPModule.set_gradient_divide_factor`` / ``set_force_sum_reduction_for_comms``."""
+def with_divide_factors(config: UnitConfig, factor: float | None, force_sum: bool,
+                        own_dtype: torch.dtype | None = None) -> UnitConfig:
+    """``config`` after ``FSDPModule.set_gradient_divide_factor`` / ``set_force_sum_reduction_for_comms``
+    (``own_dtype``: the parameters', the reduction's without a reduce dtype)."""
     replicas = dist.get_world_size(config.replicate_group) if config.replicate_group is not None else 1
-    reduce_dtype = config.mixed_precision.reduce_dtype if config.mixed_precision is not None else None
+    reduce_dtype = config.mixed_precision.reduce_dtype if config.mixed_precision is not None else own_dtype
     predivide, postdivide = divide_factors(reduce_dtype, config.world_size, replicas, factor, force_sum)
     return dataclasses.replace(config, gradient_divide_factor=factor, force_sum_reduction=force_sum,
                                predivide=predivide, postdivide=postdivide)

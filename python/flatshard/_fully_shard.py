@@ -339,7 +339,8 @@ class FSDPModule(TorchFSDPModule):
 
     def _set_divide_factors(self, factor: float | None, force_sum: bool) -> None:
         s = self._unit_state
-        s.config = _fsdp2_config.with_divide_factors(s.config, factor, force_sum)
+        s.config = _fsdp2_config.with_divide_factors(s.config, factor, force_sum,
+                                                     s.flat_param.dtype if s.handle is not None else None)
         if s.handle is not None:
             s.handle.set_divide_factors(s.config.predivide, s.config.postdivide)
         _install_all_reduce_hook(self)  # (where it sees the shard follows where torch's divides)
