@@ -1,0 +1,200 @@
+"""``flatshard.fully_shard`` models' state against torch's FSDP2: DCP checkpoints both ways (and resharded), a forward
+that raises, ``load_state_dict(assign=True)``, shards moved to the host and back, sharding on the meta device.
+
+Split from tests/test_fully_shard.py (whose ``_build`` makes the models), as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models import ATOL, RTOL, gpt_loss, local_slice, make_batch, make_gpt
+from test_fully_shard import LR, SEQ, VOCAB, _build
+
+
+def _steps(model: nn.Module, opt, steps: range, rank: int, world_size: int) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = gpt_loss(model, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _save_then_go_on(rank: int, world_size: int, impl: str, path: str | None) -> list[float]:
+    """Two steps, a DCP checkpoint of model and optimizer through torch's state_dict helpers (into ``path``,
+    if any), two more steps: their losses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _build(impl, "reshard_after_forward=None")
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    _steps(model, opt, range(2), rank, world_size)
+    if path is not None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return _steps(model, opt, range(2, 4), rank, world_size)
+
+
+def _load_then_go_on(rank: int, world_size: int, impl: str, path: str) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    with torch.random.fork_rng():
+        torch.manual_seed(7)  # other weights than the checkpoint's: the load must replace every one
+        model = _build(impl, "reshard_after_forward=None")
+        for p in model.parameters():
+            p.data.uniform_()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _steps(model, opt, range(2, 4), rank, world_size)
+
+
+@pytest.mark.parametrize("saved_at, loaded_at", [(2, 2), (2, 4)], ids=["W2", "W2to4"])
+@pytest.mark.parametrize("saver, loader", [("torch", "flatshard"), ("flatshard", "torch")])
+def test_checkpoints_interchange_with_torch_fsdp2(saver, loader, saved_at, loaded_at, tmp_path):
+    """A DCP checkpoint (model and Adam state, through torch.distributed.checkpoint.state_dict) saved by one
+    implementation and loaded by the other goes on as the saver's own run does: bit for bit at the same world
+    size; resharded to 4 ranks, the global loss (the mean of the ranks' means over equal rows) within the
+    parity tolerance of models.py (the reductions add in another order)."""
+    from flatshard.testing import run_distributed
+
+    path = str(tmp_path / "ckpt")
+    went_on = run_distributed(_save_then_go_on, saved_at, saver, path, timeout=120)
+    resumed = run_distributed(_load_then_go_on, loaded_at, loader, path, timeout=120)
+    what = f"{saver} saved at W={saved_at}, {loader} resumed at W={loaded_at}"
+    if saved_at == loaded_at:
+        assert resumed == went_on, what
+    else:
+        torch.testing.assert_close(torch.tensor(resumed).mean(0), torch.tensor(went_on).mean(0), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{what}: {m}")
+
+
+def _forward_raises_then_trains(rank: int, world_size: int) -> tuple[float, float]:
+    """The root's forward raises (a bad input, after its parameters were gathered); the next step, run inside the
+    caller's except block, trains as a fresh model's first step does."""
+    batch = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB), rank, world_size)
+    fresh = _build("flatshard", "reshard_after_forward=None")
+    want = gpt_loss(fresh, *batch)
+    want.backward()
+    model = _build("flatshard", "reshard_after_forward=None")
+    try:
+        model(batch[0].float())  # the root's forward raises (an embedding needs integer tokens)
+    except RuntimeError:
+        got = gpt_loss(model, *batch)
+        got.backward()
+    grads_equal = all(torch.equal(a.grad.to_local(), b.grad.to_local())
+                      for a, b in zip(model.parameters(), fresh.parameters()))
+    return got.item(), want.item(), grads_equal
+
+
+def test_a_forward_that_raises_leaves_the_model_usable():
+    from flatshard.testing import run_distributed
+
+    for rank, (got, want, grads_equal) in enumerate(run_distributed(_forward_raises_then_trains, 2, timeout=120)):
+        assert got == want and grads_equal, f"rank {rank}: loss {got} vs a fresh model's {want}, grads {grads_equal}"
+
+
+def _load_with_assign(rank: int, world_size: int) -> tuple[list[float], list[float]]:
+    """A trained model's state dict (DTensors) loaded with ``assign=True`` into another model: it goes on as the
+    trained one does (the new parameters' values reach the shards)."""
+    trained = _build("flatshard", "reshard_after_forward=None")
+    opt = torch.optim.SGD(trained.parameters(), lr=LR)
+    _steps(trained, opt, range(2), rank, world_size)
+    state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+    went_on = _steps(trained, opt, range(2, 4), rank, world_size)
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        model = _build("flatshard", "reshard_after_forward=None")
+    model.load_state_dict(state, assign=True)
+    resumed = _steps(model, torch.optim.SGD(model.parameters(), lr=LR), range(2, 4), rank, world_size)
+    return went_on, resumed
+
+
+def test_load_state_dict_with_assign_reaches_the_shards():
+    from flatshard.testing import run_distributed
+
+    for rank, (went_on, resumed) in enumerate(run_distributed(_load_with_assign, 2, timeout=120)):
+        assert resumed == went_on, f"rank {rank}"
+
+
+def _shards_moved(rank: int, world_size: int) -> tuple[list[float], list[float], bool]:
+    """Two steps, then ``move_shards_to_host`` / ``move_shards_to_device`` with the optimizer (verl's loop; on a CPU
+    the host is the device and nothing moves), then each unit's shard replaced by a copy as a move replaces it (so
+    that the DTensor parameters and gradients must follow the new storage), two more steps; against a model never
+    moved. The GPU move itself: tests/test_gpu.py::test_shards_to_host_and_back_on_gpu."""
+    import flatshard
+    from flatshard import _runtime
+
+    model = _build("flatshard", "reshard_after_forward=None")
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = _steps(model, opt, range(2), rank, world_size)
+    flatshard.move_shards_to_host(model, opt)
+    flatshard.move_shards_to_device(model, opt)
+    units = [model, *model.blocks]
+    with torch.no_grad():
+        for unit in units:
+            s = unit._unit_state
+            s.flat_param.data = s.flat_param.data.clone()
+            _runtime.after_shard_cast(s)
+    follows = all(p.to_local().untyped_storage().data_ptr() == unit._unit_state.flat_param.untyped_storage().data_ptr()
+                  for unit in units for p in unit.parameters(recurse=False))
+    losses += _steps(model, opt, range(2, 4), rank, world_size)
+    reference = _build("torch", "reshard_after_forward=None")
+    return losses, _steps(reference, torch.optim.Adam(reference.parameters(), lr=LR), range(4), rank, world_size), follows
+
+
+def test_shards_moved_and_replaced_train_on_as_torch():
+    from flatshard.testing import run_distributed
+
+    for rank, (moved, never, follows) in enumerate(run_distributed(_shards_moved, 2, timeout=120)):
+        assert follows, f"rank {rank}: a DTensor parameter still views the replaced shard"
+        assert moved == never, f"rank {rank}: {moved} vs torch FSDP2's never moved {never}"
+
+
+def _meta_init_allocations(rank: int, world_size: int) -> tuple[int, int]:
+    """The largest memory any tensor made on a real device holds while ``fully_shard`` shards a model built on meta,
+    and the largest unit's shard, in bytes (see [Note: A shard from meta parameters] in csrc/flatshard/flat_param.h;
+    a storage with no memory behind it, [Note: Buffers made without memory], holds none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flatshard import fully_shard
+
+    class Largest(TorchDispatchMode):  # (sees the C++ runtime's allocations too: they go through the dispatcher)
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    try:
+                        memory = t.untyped_storage().nbytes() if t.untyped_storage().data_ptr() != 0 else 0
+                    except RuntimeError:  # ("an invalid python storage": a size and no memory)
+                        memory = 0
+                    Largest.nbytes = max(Largest.nbytes, memory)
+            return out
+
+    with torch.device("meta"):
+        model = make_gpt(vocab=VOCAB, seq=SEQ, seed=0)
+    with Largest():
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    shards = [u._unit_state.handle.layout.shard_numel * 4 for u in [model, *model.blocks]]
+    return Largest.nbytes, max(shards)
+
+
+def test_sharding_a_meta_model_never_makes_a_whole_unit():
+    """torchtitan's meta init: no tensor larger than a shard exists on the device while fully_shard runs (torch's
+    FSDP2 allocates the shard at to_empty; flatshard allocates it at fully_shard, uninitialized)."""
+    from flatshard.testing import run_distributed
+
+    for rank, (largest, shard) in enumerate(run_distributed(_meta_init_allocations, 2, timeout=120)):
+        assert largest <= shard, f"rank {rank}: a tensor of {largest} bytes while the largest shard has {shard}"
