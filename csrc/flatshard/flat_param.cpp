@@ -195,19 +195,19 @@ void FlatParamHandle::make_buffers() {
     if (copies_out()) {
       // The views are of the parameters' own buffer, refilled through a second TensorImpl (see
       // [Note: Unsharded storage]); the gathered buffer is nobody's view.
-      param_offsets_.clear();
-      params_numel_ = 0;
+      param_offsets_.assign(1, 0);
       for (std::int64_t i = 0; i < layout_.num_params(); ++i) {  // (padded: see [Note: Copy-out])
-        param_offsets_.push_back(params_numel_);
-        params_numel_ += layout_.all_on_dim0()
-                             ? layout_.shard_factor() * layout_.rows_per_shard(i) * layout_.row_numel(i)
-                             : layout_.numels()[static_cast<std::size_t>(i)];
+        param_offsets_.push_back(param_offsets_.back() +
+                                 (layout_.all_on_dim0()
+                                      ? layout_.shard_factor() * layout_.rows_per_shard(i) * layout_.row_numel(i)
+                                      : layout_.numels()[static_cast<std::size_t>(i)]));
       }
-      params_ = empty_without_memory(params_numel_, compute);
+      const std::int64_t numel = param_offsets_.back();
+      params_ = empty_without_memory(numel, compute);
       params_target_ = at::empty({0}, compute);
-      params_target_.set_(params_.storage(), 0, {params_numel_}, {1});
+      params_target_.set_(params_.storage(), 0, {numel}, {1});
       if (casts_) {
-        const at::Tensor base = empty_without_memory(params_numel_, options.device(compute_device_));
+        const at::Tensor base = empty_without_memory(numel, options.device(compute_device_));
         placeholder_views_ = param_views(base);
         resize_storage(base.storage().unsafeGetStorageImpl(), 0);
       } else {
@@ -399,7 +399,7 @@ bool FlatParamHandle::has_unsharded_storage() const {
 }
 
 std::int64_t FlatParamHandle::params_nbytes() const {
-  return params_numel_ * static_cast<std::int64_t>(params_.element_size());
+  return param_offsets_.back() * static_cast<std::int64_t>(params_.element_size());
 }
 
 std::vector<at::Tensor> FlatParamHandle::param_views(const at::Tensor& buffer) const {
@@ -423,9 +423,8 @@ void FlatParamHandle::copy_out() {
   if (layout_.all_on_dim0()) {  // see [Note: One copy a unit] in dim0_rows.h
     std::vector<at::Tensor> outs;
     outs.reserve(static_cast<std::size_t>(layout_.num_params()));
-    for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
-      outs.push_back(params_target_.narrow(0, param_offsets_[static_cast<std::size_t>(i)],
-                                           layout_.shard_factor() * layout_.rows_per_shard(i) * layout_.row_numel(i)));
+    for (std::size_t i = 0; i + 1 < param_offsets_.size(); ++i) {  // each parameter's region, padded
+      outs.push_back(params_target_.narrow(0, param_offsets_[i], param_offsets_[i + 1] - param_offsets_[i]));
     }
     copy_rows_out(all_gather_target_, layout_, outs);
   } else {

@@ -378,12 +378,11 @@ class FlatParamHandle {
   bool pin_host_memory_ = true;  // with offload_: host memory pinned (see FlatParamOptions)
   bool casts_ = false;    // the shard's dtype or device differs from the compute ones
   at::Tensor all_gather_input_;
-  // See [Note: Copy-out]: the parameters' buffer, its refill TensorImpl, where each parameter's region
-  // starts in it, and its elements.
+  // See [Note: Copy-out]: the parameters' buffer, its refill TensorImpl, and where each parameter's region
+  // starts in it, then where the buffer ends (num_params() + 1 offsets).
   at::Tensor params_;
   at::Tensor params_target_;
   std::vector<std::int64_t> param_offsets_;
-  std::int64_t params_numel_ = 0;
   std::int64_t params_nbytes() const;
   // Each parameter's view of `buffer` (params_, or a buffer of its size): its region's first numel elements.
   std::vector<at::Tensor> param_views(const at::Tensor& buffer) const;

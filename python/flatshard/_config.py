@@ -80,3 +80,6 @@ class UnitConfig:
     # fully_shard's set_gradient_divide_factor and set_force_sum_reduction_for_comms (predivide and postdivide follow)
     gradient_divide_factor: float | None = None
     force_sum_reduction: bool = False
+    # whether torch's FSDP2 divides inside its collectives here (fp32 and bf16, summing not forced): where fully_shard's
+    # all-reduce hook sees the shard (see [Note: The all-reduce hook] in csrc/flatshard/flat_param.h)
+    divides_in_collectives: bool = True

@@ -183,8 +183,8 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     mp = _mixed_precision(mp_policy)
     # Without a reduce dtype the gradients are reduced in the parameters' own (an fp16 model's: FSDP2's overflow-safe
     # divisions, before and after the SUM)
-    predivide, postdivide = divide_factors(mp.reduce_dtype if mp is not None else _own_dtype(module, ignored_params),
-                                           world_size, replicas)
+    reduce_dtype = mp.reduce_dtype if mp is not None else _own_dtype(module, ignored_params)
+    predivide, postdivide = divide_factors(reduce_dtype, world_size, replicas)
     return UnitConfig(
         process_group=group,
         replicate_group=replicate_group,
@@ -195,6 +195,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         reshard_after_forward=reshard,
         predivide=predivide,
         postdivide=postdivide,
+        divides_in_collectives=_divides_in_collectives(reduce_dtype, False),
         # FSDP2's implicit prefetch: in backward, the next unit's all-gather before this one's reduce-scatter.
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=False,
@@ -229,7 +230,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     )
 
 
-def divides_in_collectives(reduce_dtype: torch.dtype | None, force_sum: bool) -> bool:
+def _divides_in_collectives(reduce_dtype: torch.dtype | None, force_sum: bool) -> bool:
     """Whether torch's FSDP2 divides inside its collectives (ReduceOp.AVG or PREMUL_SUM): in fp32 and bf16 unless
     summing is forced; else it sums and divides apart (see ``divide_factors``)."""
     return reduce_dtype in (None, torch.float32, torch.bfloat16) and not force_sum
@@ -246,7 +247,7 @@ def divide_factors(reduce_dtype: torch.dtype | None, world_size: int, replicas: 
     the SUM, then the division."""
     data_parallel = float(world_size * replicas)
     overflow_risk = reduce_dtype not in (None, torch.float32, torch.bfloat16)
-    if divides_in_collectives(reduce_dtype, force_sum):
+    if _divides_in_collectives(reduce_dtype, force_sum):
         if factor is None:
             return 1.0, data_parallel
         return (1.0, float(factor)) if factor == world_size else (float(factor), 1.0)
@@ -277,4 +278,5 @@ def with_divide_factors(config: UnitConfig, factor: float | None, force_sum: boo
     reduce_dtype = config.mixed_precision.reduce_dtype if config.mixed_precision is not None else own_dtype
     predivide, postdivide = divide_factors(reduce_dtype, config.world_size, replicas, factor, force_sum)
     return dataclasses.replace(config, gradient_divide_factor=factor, force_sum_reduction=force_sum,
-                               predivide=predivide, postdivide=postdivide)
+                               predivide=predivide, postdivide=postdivide,
+                               divides_in_collectives=_divides_in_collectives(reduce_dtype, force_sum))

@@ -191,8 +191,7 @@ def _install_all_reduce_hook(module: nn.Module) -> None:
     # (The runtime holds a weak reference to the module, the module's state the hook: a hook that refers to the model
     # makes no cycle through C++, which Python's collector could not see.)
     s.handle.set_all_reduce_hook(functools.partial(_run_all_reduce_hook, weakref.ref(module)),
-                                 after_postdivide=_fsdp2_config.divides_in_collectives(
-                                     s.handle.reduce_dtype, s.config.force_sum_reduction))
+                                 after_postdivide=s.config.divides_in_collectives)
 
 
 def _run_all_reduce_hook(module: weakref.ref, reduce_output: torch.Tensor) -> None:
