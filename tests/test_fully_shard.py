@@ -44,8 +44,13 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
          "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
-         "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook", "half_model"]
+         "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook", "half_model", "no_forward_prefetch"]
 WORLD_SIZES = [1, 2, 4]
+# What block 0's pre-forward has issued (see [Note: Forward prefetch where the host is the device]): the block
+# checked, from which forward on, and whether it is gathered by then. Implicit: the next block in the previous
+# iteration's order (from the second forward); explicit: the two blocks given (from the first); none.
+FORWARD_PREFETCH = {"reshard_after_forward=True": (1, 2, True), "explicit_prefetch": (2, 1, True),
+                    "no_forward_prefetch": (1, 1, False)}
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
 # At W = 4 every unit's last rank holds fewer rows than the others (the position table's 1 row of 3): the cases
@@ -143,10 +148,14 @@ def _build(impl: str, case: str) -> nn.Module:
         fully_shard([model.ln_f, model.embed, model.head], reshard_after_forward=case.endswith("resharding"),
                     **{k: v for k, v in kwargs.items() if k == "mp_policy"})
     fully_shard(model, **kwargs)
-    if case == "explicit_prefetch":  # torchtitan's: each block gathers the next in forward, the previous in backward
+    if case == "explicit_prefetch":  # torchtitan's, one block further: each block gathers the next two in forward,
+        # the previous one in backward
         for i, block in enumerate(model.blocks):
-            block.set_modules_to_forward_prefetch(list(model.blocks[i + 1:i + 2]))
+            block.set_modules_to_forward_prefetch(list(model.blocks[i + 1:i + 3]))
             block.set_modules_to_backward_prefetch(list(model.blocks[max(i - 1, 0):i]))
+    if case == "no_forward_prefetch":  # an empty list: no prefetch in forward (on the CPU too)
+        for m in [model, *model.blocks]:
+            m.set_modules_to_forward_prefetch([])
     if case.endswith("all_reduce_hook"):  # torchft's use: each reduced shard changed in place; scaled and shifted, so
         # that where it runs against the division shows (after it in fp32, where torch divides inside its collectives;
         # before it in fp16, where torch sums, then divides)
@@ -231,10 +240,16 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
     theirs = _train(torch_model, case, rank, world_size)
     model = _build("flatshard", case)
     problems = []
-    if case == "explicit_prefetch" and world_size > 1:  # block 1's all-gather issued in block 0's pre-forward
-        def check(_module, _args):
-            if model.blocks[1]._unit_state.handle.state == _C.ShardedState.SHARDED:
-                problems.append("block 0's forward did not prefetch block 1")
+    if case in FORWARD_PREFETCH and world_size > 1:
+        ahead, first_forward, gathered = FORWARD_PREFETCH[case]
+        forwards = []
+
+        def check(_module, _args):  # (a pre-hook registered after fully_shard's: runs once it issued the prefetch)
+            forwards.append(None)
+            state = model.blocks[ahead]._unit_state.handle.state
+            if len(forwards) >= first_forward and (state != _C.ShardedState.SHARDED) != gathered:
+                problems.append(f"forward {len(forwards)}: block {ahead} is {state} at block 0's pre-forward; "
+                                f"it should {'' if gathered else 'not '}have been gathered")
 
         model.blocks[0].register_forward_pre_hook(check)
     ours = _train(model, case, rank, world_size)

@@ -33,6 +33,18 @@ def default_mesh() -> Any:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+# [Note: Forward prefetch where the host is the device]
+# torch's FSDP2 issues a unit's all-gather at that unit's pre-forward; on a GPU its forward still overlaps each
+# all-gather with the previous unit's compute, because the host runs ahead of the device: unit i+1's pre-forward
+# issues its all-gather while unit i's kernels run, so unit i+1's gathered parameters exist while unit i computes.
+# On the CPU the host is the device and nothing runs ahead: each all-gather would be waited for in full, with
+# nothing to overlap it. So on a CPU mesh fully_shard prefetches in forward: each unit's pre-forward, after waiting
+# for its own all-gather, issues the one of the unit that came next in the previous iteration (the class's
+# forward_prefetch), which holds what FSDP2 holds on a GPU: the unit computing and the next one. On a GPU mesh it
+# does not (the host's run-ahead already gives that overlap). ``set_modules_to_forward_prefetch`` replaces it, as
+# it replaces torch's implicit order; an empty list turns it off.
+
+
 def _mesh_device(mesh: Any) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -196,9 +208,10 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         predivide=predivide,
         postdivide=postdivide,
         divides_in_collectives=_divides_in_collectives(reduce_dtype, False),
-        # FSDP2's implicit prefetch: in backward, the next unit's all-gather before this one's reduce-scatter.
+        # FSDP2's implicit prefetch: in backward, the next unit's all-gather before this one's reduce-scatter; in
+        # forward, see [Note: Forward prefetch where the host is the device].
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-        forward_prefetch=False,
+        forward_prefetch=mesh.device_type == "cpu",
         limit_all_gathers=True,
         mixed_precision=mp,
         # CPUOffloadPolicy: the shards, their gradients and the optimizer's step on the host; each all-gather
