@@ -44,7 +44,8 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
          "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
-         "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook", "half_model", "no_forward_prefetch"]
+         "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook", "half_model", "no_forward_prefetch",
+         "hsdp_1x2_reduce_scatter_only_all_reduce_hook"]
 WORLD_SIZES = [1, 2, 4]
 # What block 0's pre-forward has issued (see [Note: Forward prefetch where the host is the device]): the block
 # checked, from which forward on, and whether it is gathered by then. Implicit: the next block in the previous
@@ -100,7 +101,9 @@ def _build(impl: str, case: str) -> nn.Module:
     if case.startswith("hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
 
-        kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        # (1x2: a replicate dim of one rank, HSDP still: the all-reduce and its hook wait for set_requires_all_reduce)
+        shape = (1, 2) if case.startswith("hsdp_1x2") else (2, 2)
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         kwargs["reshard_after_forward"] = not case.endswith("=False")
     if case.startswith("kept_after_backward"):  # (torch's own test pairs set_reshard_after_backward with this)
         kwargs["reshard_after_forward"] = False
@@ -156,7 +159,7 @@ def _build(impl: str, case: str) -> nn.Module:
     if case == "no_forward_prefetch":  # an empty list: no prefetch in forward (on the CPU too)
         for m in [model, *model.blocks]:
             m.set_modules_to_forward_prefetch([])
-    if case.endswith("all_reduce_hook"):  # torchft's use: each reduced shard changed in place; scaled and shifted, so
+    if "all_reduce_hook" in case:  # torchft's use: each reduced shard changed in place; scaled and shifted, so
         # that where it runs against the division shows (after it in fp32, where torch divides inside its collectives;
         # before it in fp16, where torch sums, then divides)
         model.hook_calls = []
@@ -193,7 +196,8 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
     losses, grads = [], []
     for step in range(STEPS):
         tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size)
-        if case.endswith(("no_gradient_sync", "kept_after_backward", "kept_after_backward_synced", "reduce_scatter_only")):
+        if case.endswith(("no_gradient_sync", "kept_after_backward", "kept_after_backward_synced")) or \
+                "reduce_scatter_only" in case:
             # Two micro-batches, the first without reduction (kept: its parameters kept unsharded too, so that the
             # second forward gathers nothing; reduce-scatter only: HSDP's all-reduce left to the second)
             first_flags, last_flags = _accumulation_flags(case)
@@ -220,8 +224,8 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
 def _accumulation_flags(case: str) -> tuple[list, list]:
     """The FSDPModule setters called before the first micro-batch and before the last (torch's gradient
     accumulation test's)."""
-    setter = {"kept_after_backward": "set_reshard_after_backward", "kept_after_backward_synced": "set_reshard_after_backward",
-              "reduce_scatter_only": "set_requires_all_reduce"}.get(case.split("_2x2_")[-1])
+    setter = next((setter for key, setter in (("kept_after_backward", "set_reshard_after_backward"),
+                                              ("reduce_scatter_only", "set_requires_all_reduce")) if key in case), None)
     # (kept, synced: each micro-batch reduced, the parameters kept unsharded between them)
     alone = setter == "set_requires_all_reduce" or case == "kept_after_backward_synced"
     flags = [setter] if alone else ["set_requires_gradient_sync"] + [setter] * bool(setter)
@@ -275,7 +279,7 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
             if handle.collective_bytes["all_gather"] != want:
                 problems.append(f"{name} all-gathered {handle.collective_bytes['all_gather']} bytes in {STEPS} steps, "
                                 f"not {want} (its shard in forward, twice that in backward)")
-    if case.endswith("all_reduce_hook") and sorted(model.hook_calls) != sorted(torch_model.hook_calls):
+    if "all_reduce_hook" in case and sorted(model.hook_calls) != sorted(torch_model.hook_calls):
         problems.append(f"the all-reduce hooks saw {sorted(model.hook_calls)}, torch's {sorted(torch_model.hook_calls)}")
     if case == "matrices_on_dim_1":
         dims = {p.placements[-1].dim for p in model.parameters() if p.ndim == 2}

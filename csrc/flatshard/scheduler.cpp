@@ -322,7 +322,8 @@ void Scheduler::complete_shard_reduction() {
   stream_wait(current_stream(), reduce_scatter_stream_);
   record.flat_grad = at::Tensor();  // (replicated: the output is the same tensor and lives on)
   std::optional<Collectives>& replicate = groups_of(*record.unit).replicate;
-  if (record.unit->all_reduce_replicas() && replicate->size() > 1) {
+  // (A replicate group of one rank is HSDP still: its micro-batches wait for the all-reduce's, which moves nothing.)
+  if (record.unit->all_reduce_replicas()) {
     at::Tensor& partial = record.unit->partial_replica_sum();  // see [Note: Reduce-scatter only]
     if (!record.unit->requires_all_reduce()) {
       c10::StreamGuard stream_guard(reduce_scatter_stream_);
@@ -339,13 +340,16 @@ void Scheduler::complete_shard_reduction() {
       record.grad_shard.add_(partial);
       partial = at::Tensor();
     }
-    while (!replica_reductions_.empty()) complete_replica_reduction();
-    stream_wait(all_reduce_stream_, reduce_scatter_stream_);
-    c10::StreamGuard stream_guard(all_reduce_stream_);
-    RECORD_USER_SCOPE(record.unit->all_reduce_range());
-    check_sequence(*replicate, *record.unit, "replica all_reduce", record.grad_shard.nbytes());
-    record.unit->count_collective(FlatParamHandle::kReplicaAllReduced, static_cast<std::int64_t>(record.grad_shard.nbytes()));
-    record.replica_work = replicate->all_reduce_sum(record.grad_shard);
+    if (replicate->size() > 1) {
+      while (!replica_reductions_.empty()) complete_replica_reduction();
+      stream_wait(all_reduce_stream_, reduce_scatter_stream_);
+      c10::StreamGuard stream_guard(all_reduce_stream_);
+      RECORD_USER_SCOPE(record.unit->all_reduce_range());
+      check_sequence(*replicate, *record.unit, "replica all_reduce", record.grad_shard.nbytes());
+      record.unit->count_collective(FlatParamHandle::kReplicaAllReduced,
+                                    static_cast<std::int64_t>(record.grad_shard.nbytes()));
+      record.replica_work = replicate->all_reduce_sum(record.grad_shard);
+    }
   }
   replica_reductions_.push_back(std::move(record));
   if (!replica_reductions_.back().replica_work.defined()) complete_replica_reduction();
