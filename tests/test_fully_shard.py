@@ -45,7 +45,7 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
          "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
          "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook", "half_model", "no_forward_prefetch",
-         "hsdp_1x2_reduce_scatter_only_all_reduce_hook"]
+         "hsdp_1x2_reduce_scatter_only_all_reduce_hook", "frozen_base_weights_all_reduce_hook"]
 WORLD_SIZES = [1, 2, 4]
 # What block 0's pre-forward has issued (see [Note: Forward prefetch where the host is the device]): the block
 # checked, from which forward on, and whether it is gathered by then. Implicit: the next block in the previous
@@ -119,7 +119,7 @@ def _build(impl: str, case: str) -> nn.Module:
         model.half()  # torch's (at W = 4 by 2 and 2: where the hook runs shows)
     if case == "frozen_embedding":
         model.embed.weight.requires_grad_(False)
-    if case == "frozen_base_weights":  # LoRA's shape: each block's projection weights frozen, the rest trained
+    if case.startswith("frozen_base_weights"):  # LoRA's shape: each block's projection weights frozen, the rest trained
         for block in model.blocks:
             for linear in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.out):
                 linear.weight.requires_grad_(False)

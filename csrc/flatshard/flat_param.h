@@ -235,7 +235,10 @@ class FlatParamHandle {
   // torch's FSDP2 calls it; it may change the shard in place (torchft all-reduces it over its replica
   // group there). It sees what torch's sees: where torch divides inside its collectives (ReduceOp.AVG
   // or PREMUL_SUM: fp32 and bf16 unless summing is forced) the divided shard, so `after_postdivide`;
-  // else the sum, before the post-divide. Empty: none. Its exceptions propagate out of the scheduler
+  // else the sum, before the post-divide. The shard's rows that were reduced: with frozen parameters
+  // laid out after the trainable ones (see [Note: Trainable prefix]) the trainable ones' only, as
+  // torch's leaves out parameters without gradients (a trainable parameter no rank gave a gradient is
+  // in it, as zeros, where torch's leaves it out). Empty: none. Its exceptions propagate out of the scheduler
   // call that completed the reduction (a post-backward, or the end of backward).
   using GradShardHook = std::function<void(const at::Tensor&)>;
   void set_all_reduce_hook(GradShardHook hook, bool after_postdivide) {

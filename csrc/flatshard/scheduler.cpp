@@ -362,13 +362,9 @@ void Scheduler::complete_replica_reduction() {
   c10::StreamGuard stream_guard(all_reduce_stream_);
   wait_for(record.replica_work, *record.unit, "replica all-reduce");
   at::Tensor& shard_grad = record.grad_shard;
-  if (shard_grad.numel() < record.unit->layout().shard_numel()) {  // a dim-0 trainable prefix: zeros after it
-    at::Tensor shard = at::zeros({record.unit->layout().shard_numel()}, shard_grad.options());
-    shard.narrow(0, 0, shard_grad.numel()).copy_(shard_grad);
-    shard_grad = std::move(shard);
-  }
-  // See [Note: The all-reduce hook]. Should it raise, the compute stream still waits for this stream before
-  // the shard's memory goes back to its pool.
+  // See [Note: The all-reduce hook]: it gets the rows reduced (with a dim-0 trainable prefix, the trainable
+  // parameters' only). Should it raise, the compute stream still waits for this stream before the shard's memory
+  // goes back to its pool.
   const FlatParamHandle::GradShardHook& hook = record.unit->all_reduce_hook();
   const auto run_hook = [&] {
     try {
@@ -381,6 +377,11 @@ void Scheduler::complete_replica_reduction() {
   if (hook && !record.unit->hook_after_postdivide()) run_hook();
   if (record.unit->postdivide() != 1.0) shard_grad.div_(record.unit->postdivide());
   if (hook && record.unit->hook_after_postdivide()) run_hook();
+  if (shard_grad.numel() < record.unit->layout().shard_numel()) {  // a dim-0 trainable prefix: zeros after it
+    at::Tensor shard = at::zeros({record.unit->layout().shard_numel()}, shard_grad.options());
+    shard.narrow(0, 0, shard_grad.numel()).copy_(shard_grad);
+    shard_grad = std::move(shard);
+  }
   record.unit->accumulate_grad_shard(shard_grad);
   if (record.unit->has_offloaded_grads()) offloaded_.insert(record.unit);
   // `.grad` is read, and a dropped shard_grad's memory reused, in compute-stream order.
