@@ -45,7 +45,8 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
          "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
          "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook", "half_model", "no_forward_prefetch",
-         "hsdp_1x2_reduce_scatter_only_all_reduce_hook", "frozen_base_weights_all_reduce_hook"]
+         "hsdp_1x2_reduce_scatter_only_all_reduce_hook", "frozen_base_weights_all_reduce_hook",
+         "two_reduce_scatters_in_flight"]
 WORLD_SIZES = [1, 2, 4]
 # What block 0's pre-forward has issued (see [Note: Forward prefetch where the host is the device]): the block
 # checked, from which forward on, and whether it is gathered by then. Implicit: the next block in the previous
@@ -156,6 +157,8 @@ def _build(impl: str, case: str) -> nn.Module:
         for i, block in enumerate(model.blocks):
             block.set_modules_to_forward_prefetch(list(model.blocks[i + 1:i + 3]))
             block.set_modules_to_backward_prefetch(list(model.blocks[max(i - 1, 0):i]))
+    if case == "two_reduce_scatters_in_flight":  # torchtitan's MoE routers' setting, here on every unit
+        model.set_reduce_scatter_max_input_buffers(2)
     if case == "no_forward_prefetch":  # an empty list: no prefetch in forward (on the CPU too)
         for m in [model, *model.blocks]:
             m.set_modules_to_forward_prefetch([])
@@ -281,6 +284,8 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
                                 f"not {want} (its shard in forward, twice that in backward)")
     if "all_reduce_hook" in case and sorted(model.hook_calls) != sorted(torch_model.hook_calls):
         problems.append(f"the all-reduce hooks saw {sorted(model.hook_calls)}, torch's {sorted(torch_model.hook_calls)}")
+    if case == "two_reduce_scatters_in_flight" and model._unit_state.root.scheduler.max_reductions_in_flight != 2:
+        problems.append(f"{model._unit_state.root.scheduler.max_reductions_in_flight} reductions in flight, not 2")
     if case == "matrices_on_dim_1":
         dims = {p.placements[-1].dim for p in model.parameters() if p.ndim == 2}
         if dims != {1}:

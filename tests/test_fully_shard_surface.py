@@ -292,6 +292,21 @@ def _refusals(rank: int, world_size: int) -> None:
     early(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()  # (still trains)
     with pytest.raises(NotImplementedError, match=r"FSDPModule.set_custom_all_gather: not supported"):
         model.set_custom_all_gather(lambda *args: None)
+    # torch's refusals, types and phrases (True is not 1); recurse=False: the module alone; the root's scheduler
+    # takes the largest of its units', also when set after its first forward
+    capped = fresh()
+    for block in capped.blocks:
+        fully_shard(block)
+    fully_shard(capped)
+    with pytest.raises(TypeError, match="^max_input_buffers must be an int, got bool$"):
+        capped.set_reduce_scatter_max_input_buffers(True)
+    with pytest.raises(ValueError, match="^max_input_buffers must be a positive int, got 0$"):
+        capped.set_reduce_scatter_max_input_buffers(0)
+    capped(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()
+    assert capped._unit_state.root.scheduler.max_reductions_in_flight == 1
+    capped.blocks[1].set_reduce_scatter_max_input_buffers(3, recurse=False)
+    assert [b._unit_state.reduce_scatters_in_flight for b in capped.blocks] == [1, 3, 1]
+    assert capped._unit_state.root.scheduler.max_reductions_in_flight == 3
     hsdp = fully_shard(fresh(), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     with pytest.raises(ValueError, match="^stream cannot be set when using native HSDP$"):  # (torch's type and phrase)
         hsdp.set_all_reduce_hook(lambda reduce_output: None, stream=object())

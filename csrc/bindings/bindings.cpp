@@ -255,6 +255,8 @@ PYBIND11_MODULE(_C, m) {
       .def("abort_grad_sync", &Scheduler::abort_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def("set_sequence_check", &Scheduler::set_sequence_check, py::arg("on"))
       .def("drain", &Scheduler::drain, py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>())
+      .def_property("max_reductions_in_flight", &Scheduler::max_reductions_in_flight,
+                    &Scheduler::set_max_reductions_in_flight)
       .def_property_readonly("pending_reductions", &Scheduler::pending_reductions)
       .def_property_readonly("pending_all_gathers", &Scheduler::pending_all_gathers)
       .def_property_readonly("limiter_stalls",

@@ -255,8 +255,7 @@ void Scheduler::reduce_grad(FlatParamHandle& unit) {
   GroupPair& groups = groups_of(unit);
   TORCH_CHECK(!all_reduce_replicas || groups.replicate.has_value(), "flatshard: unit '", unit.name(),
               "' asks for a replica all-reduce but the scheduler has no replicate group");
-  // See [Note: Reductions in flight].
-  while (!reductions_.empty()) complete_shard_reduction();
+  make_room_for_reduction();  // see [Note: Reductions in flight]
   PendingReduction record{&unit, unit.take_unsharded_grad(), at::Tensor(), CommWork(), CommWork()};
   const c10::Stream compute = current_stream();
   stream_wait(reduce_scatter_stream_, compute);
@@ -294,12 +293,21 @@ void Scheduler::post_backward(FlatParamHandle& unit, const std::vector<at::Tenso
                               bool uses_done, bool reshard_unit) {
   TORCH_INTERNAL_ASSERT(uses_done || !(reduce || reshard_unit), "flatshard: unit '", unit.name(),
                         "': a post-backward reduces or reshards while a use of the unit is left");
-  if (reduce) while (!reductions_.empty()) complete_shard_reduction();
+  if (reduce) make_room_for_reduction();
   // Every use's backward ran: the parameters go before the flat gradient comes.
   if (reshard_unit) reshard(unit);
   unit.accumulate_grad(grads);
   if (uses_done) unit.end_backward_grad();  // every use of this backward is in (see [Note: FSDP2's gradient sums])
   if (reduce) reduce_grad(unit);
+}
+
+void Scheduler::set_max_reductions_in_flight(std::int64_t n) {
+  TORCH_CHECK(n >= 1, "flatshard: at most ", n, " reductions in flight: expected at least 1");
+  max_reductions_in_flight_ = n;
+}
+
+void Scheduler::make_room_for_reduction() {
+  while (static_cast<std::int64_t>(reductions_.size()) >= max_reductions_in_flight_) complete_shard_reduction();
 }
 
 void Scheduler::complete_shard_reduction() {

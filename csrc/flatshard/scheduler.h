@@ -45,7 +45,11 @@
 // (divide, accumulate into `.grad`, drop the input), and likewise for the
 // replica all-reduces of hybrid sharding. Unit i's reduction still overlaps
 // unit i-1's backward compute. Reductions found complete earlier (unshard()
-// checks, without blocking) are completed then.
+// checks, without blocking) are completed then. fully_shard's
+// set_reduce_scatter_max_input_buffers(N) lets N reduce-scatters be in flight
+// (`max_reductions_in_flight`): a unit's backward then waits for the one N
+// units back, not for the previous one, when the reduce-scatters are slower
+// than the backward compute meant to hide them, at the cost of N inputs held.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -114,7 +118,8 @@ class Scheduler {
   // `predivide` before the SUM and by `postdivide` after it (torch FSDP1's
   // factors, see [Note: Mixed precision and offload]), then accumulated into
   // the local shard's `.grad`. See [Note: Reductions in flight]: first
-  // completes the previous reduction, which may block.
+  // completes the oldest reductions until fewer than
+  // max_reductions_in_flight() are pending, which may block.
   // The divide factors and the replica all-reduce are the unit's own
   // (FlatParamOptions).
   void reduce_grad(FlatParamHandle& unit);
@@ -123,9 +128,10 @@ class Scheduler {
   // none) into its unsharded flat gradient; with `uses_done` (no use of the
   // unit is left in this backward), ends this backward's sum; with `reduce`
   // (implies `uses_done`), issues its reduction (reduce_grad), after
-  // completing the previous one, so that the parameters and that reduction's
-  // buffers are gone before new ones are allocated. May block on that
-  // reduction. `reshard_unit` is `uses_done` unless the unit keeps its
+  // completing the previous one (the oldest ones beyond
+  // max_reductions_in_flight() - 1), so that the parameters and that
+  // reduction's buffers are gone before new ones are allocated. May block on
+  // that reduction. `reshard_unit` is `uses_done` unless the unit keeps its
   // parameters after backward (fully_shard's set_reshard_after_backward).
   void post_backward(FlatParamHandle& unit, const std::vector<at::Tensor>& grads, bool reduce, bool uses_done,
                      bool reshard_unit);
@@ -167,6 +173,10 @@ class Scheduler {
   // checks on different groups until the groups' timeouts; the error then
   // names the unit and the check.
   void set_sequence_check(bool on) { sequence_check_ = on; }
+  // How many shard-group reductions may be in flight (see [Note: Reductions in flight]); >= 1, else
+  // c10::Error. Default 1.
+  void set_max_reductions_in_flight(std::int64_t n);
+  std::int64_t max_reductions_in_flight() const { return max_reductions_in_flight_; }
   std::int64_t pending_reductions() const {
     return static_cast<std::int64_t>(reductions_.size() + replica_reductions_.size());
   }
@@ -213,7 +223,10 @@ class Scheduler {
   RateLimiter limiter_;
   // Shared so that the limiter's fences can watch them weakly.
   std::unordered_map<const FlatParamHandle*, std::shared_ptr<CommWork>> all_gathers_;
-  std::deque<PendingReduction> reductions_;          // shard-group stage, at most one
+  // Completes the oldest shard-group reductions until fewer than max_reductions_in_flight_ are pending.
+  void make_room_for_reduction();
+  std::int64_t max_reductions_in_flight_ = 1;
+  std::deque<PendingReduction> reductions_;          // shard-group stage, at most max_reductions_in_flight_
   std::deque<PendingReduction> replica_reductions_;  // replicate-group stage, at most one
   // Offloaded units whose reduced gradient waits for the end of backward to reach the host.
   std::unordered_set<FlatParamHandle*> offloaded_;

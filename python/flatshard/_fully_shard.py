@@ -174,8 +174,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 # FSDPModule's methods flatshard does not have yet: each raises NotImplementedError naming itself.
-_NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter",
-            "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
+_NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_separate_reduce_scatter_group",
             "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm")
 
 
@@ -303,6 +302,22 @@ class FSDPModule(TorchFSDPModule):
         [Note: Gradients given on some ranks only] in _rank_guard.py)."""
         for m in self._units(recurse):
             m._unit_state.reduce_unused = bool(reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reduce-scatters may be in flight at once (torchtitan sets 2 on MoE routers), as torch's:
+        with 1 (the default) a unit's post-backward first completes the previous unit's reduce-scatter; with N, the
+        one N units back, so that backward compute does not wait for an exposed reduce-scatter, at the cost of the
+        inputs held meanwhile. The root's scheduler takes the largest any of its units asks for (torch's takes the
+        largest of its groups'), from this call on (see [Note: Reductions in flight] in csrc/flatshard/scheduler.h)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):  # (True is not 1, as torch's)
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for m in self._units(recurse):
+            m._unit_state.reduce_scatters_in_flight = max_input_buffers
+        root = self._unit_state.root
+        if root is not None:
+            _runtime.set_reductions_in_flight(root)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: the parameters stay unsharded after backward, so that the next forward gathers nothing

@@ -104,6 +104,12 @@ def _post_forward_group_index(scheduler: _C.Scheduler, pairs: dict, s: UnitState
     return pairs[key]
 
 
+def set_reductions_in_flight(root: RootState) -> None:
+    """The scheduler keeps the most reduce-scatters in flight that any of its units asks for (fully_shard's
+    set_reduce_scatter_max_input_buffers; torch's FSDP2 also takes the largest of its groups')."""
+    root.scheduler.max_reductions_in_flight = max(u._unit_state.reduce_scatters_in_flight for u in root.units)
+
+
 def lazy_init(root: FullyShardedDataParallel) -> None:
     """Makes ``root`` the root of every unit below it: one RootState, one scheduler (see [Note: Unit state]).
 
@@ -126,6 +132,7 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
             s.handle.group_index = pairs[key]
             s.handle.post_forward_group_index = _post_forward_group_index(scheduler, pairs, s)
     root_state = RootState(root, scheduler, [u for _, u in units])
+    set_reductions_in_flight(root_state)
     for _, unit in units:
         previous = unit._unit_state.root
         if previous is not None and previous.unit is not root:

@@ -112,6 +112,8 @@ class UnitState:
         "orig_grad_seen",  # use_orig_params: which got a gradient since the last reduced backward
         "orig_grad_held",  # use_orig_params: which hold a .grad from the shard (given, not set to None since)
         "reduce_unused",  # fully_shard's set_reduce_scatter_unused_params: every parameter counts as seen
+        "reduce_scatters_in_flight",  # fully_shard's set_reduce_scatter_max_input_buffers (its root's scheduler takes
+        # the largest of its units': see [Note: Reductions in flight] in csrc/flatshard/scheduler.h)
         "all_reduce_hook",  # fully_shard's set_all_reduce_hook (see [Note: The all-reduce hook] in flat_param.h)
         "orig_grads_given",  # use_orig_params: weak references to (the flat gradient, [(each .grad given from it (None
         # for none), its data_ptr)]) at the last use_grad_views, or None (see _orig_params.write_back_grads)
@@ -170,6 +172,7 @@ class UnitState:
         self.orig_grad_seen: list[bool] = []
         self.orig_grad_held: list[bool] = []
         self.reduce_unused = False
+        self.reduce_scatters_in_flight = 1
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.orig_grads_given: tuple[weakref.ref, list[tuple[weakref.ref | None, int]]] | None = None
         self.buffer_orig_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}

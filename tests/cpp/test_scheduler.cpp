@@ -10,9 +10,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -186,6 +189,40 @@ TEST(Scheduler, ReduceGradAveragesAccumulatesAndWritesGradShard) {
     scheduler.finish_grad_sync();  // nothing pending: a no-op
     at::Tensor twice = expected + at::cat({at::full({11}, 1.5f), at::zeros({1})});
     EXPECT_TRUE(at::allclose(unit.local_shard().grad(), twice.narrow(0, rank * 6, 6)));
+  });
+}
+
+TEST(Scheduler, KeepsUpToMaxReductionsInFlight) {
+  // See [Note: Reductions in flight]: the oldest reductions complete when a new one would exceed the limit, in
+  // the order they were issued, and each gradient shard is the same whatever the limit.
+  run_ranks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    FlatParamLayout layout({{3, 2}, {5}}, 2);
+    FlatParamOptions options;
+    options.predivide = 2.0;
+    Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), 2);
+    EXPECT_EQ(scheduler.max_reductions_in_flight(), 1);
+    EXPECT_THROW(scheduler.set_max_reductions_in_flight(0), c10::Error);
+    for (std::int64_t limit : {1, 2, 3}) {
+      scheduler.set_max_reductions_in_flight(limit);
+      std::vector<std::unique_ptr<FlatParamHandle>> units;
+      for (int i = 0; i < 3; ++i) {
+        units.push_back(std::make_unique<FlatParamHandle>("unit" + std::to_string(i), layout, rank, params(), options));
+        const float g = static_cast<float>((rank + 1) * (i + 1));  // unit i: rank 0 sends i+1, rank 1 2(i+1)
+        units.back()->accumulate_grad({at::full({3, 2}, g), at::full({5}, g)});
+        scheduler.reduce_grad(*units.back());
+        EXPECT_EQ(scheduler.pending_reductions(), std::min<std::int64_t>(i + 1, limit)) << "limit " << limit;
+        // The ones completed to make room hold their gradient shard already, the others not yet.
+        for (int j = 0; j <= i; ++j) {
+          EXPECT_EQ(units[j]->local_shard().grad().defined(), j <= i - limit) << "limit " << limit << " unit " << j;
+        }
+      }
+      scheduler.finish_grad_sync();
+      EXPECT_EQ(scheduler.pending_reductions(), 0);
+      for (int i = 0; i < 3; ++i) {  // the average over ranks: 1.5 (i + 1), padding 0
+        at::Tensor expected = at::cat({at::full({11}, 1.5f * static_cast<float>(i + 1)), at::zeros({1})});
+        EXPECT_TRUE(at::allclose(units[i]->local_shard().grad(), expected.narrow(0, rank * 6, 6)));
+      }
+    }
   });
 }
 
