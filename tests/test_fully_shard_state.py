@@ -198,3 +198,75 @@ def test_sharding_a_meta_model_never_makes_a_whole_unit():
 
     for rank, (largest, shard) in enumerate(run_distributed(_meta_init_allocations, 2, timeout=120)):
         assert largest <= shard, f"rank {rank}: a tensor of {largest} bytes while the largest shard has {shard}"
+
+
+class _Skippable(nn.Module):
+    """Three blocks, any of which a forward may skip (a unit not run every iteration: a tower used on some batches,
+    a shorter generation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)  # (the root's own: its pre-forward prefetches block 0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, skip: tuple[int, ...] = ()) -> torch.Tensor:
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i not in skip:
+                x = torch.tanh(block(x))
+        return x
+
+
+def _prefetch_follows_training_order(rank: int, world_size: int) -> tuple[list, list, list]:
+    """Five steps of `_Skippable` on flatshard's fully_shard (a CPU mesh: forward prefetch on) and torch's FSDP2: the
+    losses of each; for flatshard, the blocks still gathered after each forward, and what block 0's pre-forward
+    found gathered of block 1."""
+    from flatshard import _C
+    from flatshard import fully_shard as flatshard_fully_shard
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    # (train?, skipped blocks): learn the whole order; a no-grad forward that stops early (block 1 prefetches block
+    # 2, which never runs); training that skips block 0 (the root prefetches it); the whole order again, relearned
+    plan = [(True, ()), (False, (2,)), (True, (0,)), (True, ()), (True, ())]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    results = {}
+    for impl, shard in (("torch", torch_fully_shard), ("flatshard", flatshard_fully_shard)):
+        model = _Skippable()
+        for block in model.blocks:
+            shard(block)
+        shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen, gathered, losses = [], [], []
+        if impl == "flatshard":
+            model.blocks[0].register_forward_pre_hook(lambda *_: seen.append(
+                model.blocks[1]._unit_state.handle.state != _C.ShardedState.SHARDED))
+        for trains, skip in plan:
+            with torch.set_grad_enabled(trains):
+                loss = model(x, skip).square().mean()
+            if impl == "flatshard":
+                gathered.append([i for i, b in enumerate(model.blocks)
+                                 if b._unit_state.handle.state != _C.ShardedState.SHARDED])
+            if trains:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+        results[impl] = (losses, gathered, seen)
+    return results["flatshard"][0], results["torch"][0], results["flatshard"][1], results["flatshard"][2]
+
+
+def test_forward_prefetch_follows_the_training_order_and_frees_what_did_not_run():
+    """See [Note: Forward prefetch] in _runtime.py: no block stays gathered after a forward that left the learned
+    order (before, the prefetched block stayed so until the end of the next backward, or after a no-grad forward
+    until its next use); block 1 is prefetched in block 0's pre-forward only once a training iteration ran the whole
+    order; the training is torch FSDP2's, bit for bit."""
+    from flatshard.testing import run_distributed
+
+    for rank, (ours, theirs, gathered, seen) in enumerate(run_distributed(_prefetch_follows_training_order, 2,
+                                                                          timeout=120)):
+        assert ours == theirs, f"rank {rank}: losses {ours} != torch FSDP2's {theirs}"
+        assert gathered == [[], [], [], [], []], f"rank {rank}: blocks gathered after each forward: {gathered}"
+        # Block 0 runs in steps 1, 2, 4, 5: prefetched from a learned order that has block 1 after it (step 1: none
+        # learned yet; step 4: step 3's order, without block 0)
+        assert seen == [False, True, False, True], f"rank {rank}: block 1 gathered at block 0's pre-forward: {seen}"

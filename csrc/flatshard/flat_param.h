@@ -238,7 +238,7 @@ class FlatParamHandle {
   // else the sum, before the post-divide. The shard's rows that were reduced: with frozen parameters
   // laid out after the trainable ones (see [Note: Trainable prefix]) the trainable ones' only, as
   // torch's leaves out parameters without gradients (a trainable parameter no rank gave a gradient is
-  // in it, as zeros, where torch's leaves it out). Empty: none. Its exceptions propagate out of the scheduler
+  // in it, as zeros, where torch's leaves it out; a replicated unit has no prefix: its whole shard). Empty: none. Its exceptions propagate out of the scheduler
   // call that completed the reduction (a post-backward, or the end of backward).
   using GradShardHook = std::function<void(const at::Tensor&)>;
   void set_all_reduce_hook(GradShardHook hook, bool after_postdivide) {

@@ -284,7 +284,9 @@ class FSDPModule(TorchFSDPModule):
         after the replicas' all-reduce), before the post-divide, as torch's: it may change it in place (torchft
         all-reduces it over its replica group). See [Note: The all-reduce hook] in csrc/flatshard/flat_param.h.
         ``stream`` (1-D meshes only, as torch's): the hook runs there, the reduction's stream waiting for it. The
-        shard is the unit's whole one (torch's leaves out parameters no rank gave a gradient to)."""
+        rows reduced: with frozen parameters, the trainable ones' only, as torch's; the whole shard of a unit whose
+        shard group is one rank (W = 1, HSDP over a shard dim of one), and a trainable parameter no rank gave a
+        gradient to as zeros (torch's leaves both out)."""
         s = self._unit_state
         if s.config.mesh.ndim > 1 and stream is not None:
             raise ValueError("stream cannot be set when using native HSDP")  # (torch's message)

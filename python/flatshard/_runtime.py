@@ -7,8 +7,8 @@ work itself is one call into the C++ scheduler per step of the lifecycle.
 
 [Note: Unit lifecycle]
 forward (per call of a unit):
-  unshard -> wait (+ forward prefetch: the unit that came next in the previous
-  iteration's pre-forward order) -> hand the original parameters out
+  unshard -> wait (+ forward prefetch: the unit that came next in the last
+  training iteration, see [Note: Forward prefetch]) -> hand the original parameters out
   as views of the unsharded buffer -> run the module -> reshard if the
   strategy reshards after forward (FULL_SHARD, HYBRID_SHARD; never the root
   while grad is enabled, its backward starts right away; always when grad is
@@ -382,6 +382,8 @@ def end_forward(unit: Any, call: ForwardCall, output: Any, raised: bool = False)
         s = unit._unit_state
         if s.is_root:
             s.root.in_forward_call = False
+            if s.root.prefetched_ahead is not None:  # (its forward never came: see [Note: Forward prefetch])
+                drop_unused_prefetch(s.root)
         s.switch("end of forward")
         return output if raised else _post_forward(s, call.use, call.grad_enabled, call.inputs, output)
     if kind == "recompute":
@@ -419,7 +421,9 @@ def _root_pre_forward(unit: FullyShardedDataParallel) -> None:
     if not root.in_iteration:
         root.in_iteration = True
         root.first_use = None
-        root.prev_pre_forward_order = root.pre_forward_order
+        if root.iteration_trains:  # see [Note: Forward prefetch]
+            root.forward_prefetch_order = root.pre_forward_order
+        root.iteration_trains = torch.is_grad_enabled()
         root.pre_forward_order = []
         root.post_forward_order = []
         for u in root.orig_param_units:  # what the user changed since the last iteration
@@ -442,6 +446,9 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     root = s.root
     position = len(root.pre_forward_order)
     root.pre_forward_order.append(s)
+    if root.prefetched_ahead is not None and root.prefetched_ahead is not s:
+        drop_unused_prefetch(root)
+    root.prefetched_ahead = None
     handle = s.handle
     if handle is None:
         return None
@@ -449,8 +456,7 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     # devices with events the wait only orders streams: no overlap is lost).
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
     explicit = s.forward_prefetch_to
-    ahead = (_handle_at(root.prev_pre_forward_order, position + 1) if s.config.forward_prefetch and explicit is None
-             else None)
+    ahead = _forward_prefetch_target(root, s, position) if s.config.forward_prefetch and explicit is None else None
     views = root.scheduler.wait_for_unshard(handle, ahead, views=True)
     if explicit:
         _prefetch(root, explicit)
@@ -463,6 +469,42 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
         root.first_use = weakref.ref(use)
     set_views(s, _apply_views(s, use, views))
     return use
+
+
+# [Note: Forward prefetch]
+# A unit's pre-forward, with forward prefetch (the class's forward_prefetch=True; fully_shard on a CPU mesh, see
+# [Note: Forward prefetch where the host is the device] in _fsdp2_config.py), issues the all-gather of the unit that
+# came next in the order it learned, so that it overlaps this unit's compute. That guess must not hold memory, nor
+# differ between ranks:
+# - the order is the last training iteration's (a forward with grad): its backward's collectives pair up across
+#   ranks, so its forwards ran the same units everywhere; an evaluation or a generate loop (no grad) does not
+#   change it, as its forwards may differ between ranks when they gather nothing (units kept unsharded).
+# - the guess is made only while this forward follows that order (the unit is where it was), and only for a unit
+#   whose modules hold their placeholders (not one the user unsharded, or one running);
+# - a prefetched unit whose forward does not come next (the forward left the order: a unit skipped, a shorter
+#   generate) is resharded at once, and at the end of the root's forward at the latest.
+
+
+def _forward_prefetch_target(root: RootState, s: UnitState, position: int) -> _C.FlatParamHandle | None:
+    """See [Note: Forward prefetch]: the handle of the unit after ``s`` in the learned order, if this forward follows
+    that order up to ``s`` and the unit is sharded; remembered in ``root.prefetched_ahead``."""
+    order = root.forward_prefetch_order
+    if position + 1 >= len(order) or order[position] is not s:
+        return None
+    t = order[position + 1]
+    # (Its modules hold the placeholders: sharded, or gathered ahead already and not run; not one the user unsharded,
+    # nor one running. Read here, not from the handle: see [Note: One crossing per lifecycle step] in bindings.cpp.)
+    if t.handle is None or t.root is not root or not t.placeholders_set:
+        return None
+    root.prefetched_ahead = t
+    return t.handle
+
+
+def drop_unused_prefetch(root: RootState) -> None:
+    """The unit the last forward prefetch gathered did not run next: sharded again (see [Note: Forward prefetch])."""
+    t, root.prefetched_ahead = root.prefetched_ahead, None
+    if t is not None and t.handle is not None and not t.holds_unsharded:
+        reshard(t)
 
 
 def _prefetch(root: RootState, units: list[UnitState]) -> None:
@@ -639,12 +681,6 @@ def has_pending_uses(s: UnitState) -> bool:
         elif nested or torch._C._will_engine_execute_node(node):
             return True
     return False
-
-
-def _handle_at(order: list[UnitState], index: int) -> _C.FlatParamHandle | None:
-    """The handle of ``order[index]``, if it exists, to prefetch (the scheduler issues its all-gather only
-    if it is sharded)."""
-    return order[index].handle if 0 <= index < len(order) else None
 
 
 def _backward_prefetch_target(order: list[UnitState], index: int) -> _C.FlatParamHandle | None:

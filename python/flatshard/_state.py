@@ -245,7 +245,10 @@ class RootState:
         "final_callback_queued",  # the end of backward is queued with autograd
         "backward_task",  # the graph task of the backward under way, or -1
         "pre_forward_order",  # units in the order their forward started, this iteration
-        "prev_pre_forward_order",  # the same, last iteration (forward prefetch)
+        "iteration_trains",  # this iteration's first forward ran with grad
+        "forward_prefetch_order",  # pre_forward_order of the last iteration that trained (see [Note: Forward
+        # prefetch] in _runtime.py)
+        "prefetched_ahead",  # the unit the last pre-forward's prefetch gathered, until its own pre-forward, or None
         "post_forward_order",  # units in the order their forward ended (backward prefetch)
         "recompute_order",  # the same, for a rerun of the whole model (see [Note: Recomputation])
         "recomputing",  # the whole model is being rerun
@@ -273,7 +276,9 @@ class RootState:
         self.final_callback_queued = False
         self.backward_task = -1
         self.pre_forward_order: list[UnitState] = []
-        self.prev_pre_forward_order: list[UnitState] = []
+        self.iteration_trains = False
+        self.forward_prefetch_order: list[UnitState] = []
+        self.prefetched_ahead: UnitState | None = None
         self.post_forward_order: list[UnitState] = []
         self.recompute_order: list[UnitState] = []
         self.recomputing = False
