@@ -46,7 +46,7 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
          "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook", "half_model", "no_forward_prefetch",
          "hsdp_1x2_reduce_scatter_only_all_reduce_hook", "frozen_base_weights_all_reduce_hook",
-         "two_reduce_scatters_in_flight"]
+         "two_reduce_scatters_in_flight", "separate_reduce_scatter_group"]
 WORLD_SIZES = [1, 2, 4]
 # What block 0's pre-forward has issued (see [Note: Forward prefetch where the host is the device]): the block
 # checked, from which forward on, and whether it is gathered by then. Implicit: the next block in the previous
@@ -159,6 +159,8 @@ def _build(impl: str, case: str) -> nn.Module:
             block.set_modules_to_backward_prefetch(list(model.blocks[max(i - 1, 0):i]))
     if case == "two_reduce_scatters_in_flight":  # torchtitan's MoE routers' setting, here on every unit
         model.set_reduce_scatter_max_input_buffers(2)
+    if case == "separate_reduce_scatter_group":
+        model.set_separate_reduce_scatter_group()
     if case == "no_forward_prefetch":  # an empty list: no prefetch in forward (on the CPU too)
         for m in [model, *model.blocks]:
             m.set_modules_to_forward_prefetch([])
@@ -259,6 +261,7 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
                                 f"it should {'' if gathered else 'not '}have been gathered")
 
         model.blocks[0].register_forward_pre_hook(check)
+    _C.reset_collective_counts()
     ours = _train(model, case, rank, world_size)
     if ours["names"] != theirs["names"]:
         problems.append(f"parameter names {ours['names']} != torch's {theirs['names']}")
@@ -284,6 +287,14 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
                                 f"not {want} (its shard in forward, twice that in backward)")
     if "all_reduce_hook" in case and sorted(model.hook_calls) != sorted(torch_model.hook_calls):
         problems.append(f"the all-reduce hooks saw {sorted(model.hook_calls)}, torch's {sorted(torch_model.hook_calls)}")
+    if case == "separate_reduce_scatter_group" and world_size > 1:  # every reduce-scatter over the group of their own
+        counts = _C.collective_counts()
+        scatter = model._unit_state.reduce_scatter_group.group_name
+        on_own = counts.get(scatter, {}).get("reduce_scatter", (0, 0))[0]
+        elsewhere = sum(kinds["reduce_scatter"][0] for name, kinds in counts.items() if name != scatter)
+        if on_own != STEPS * 4 or elsewhere or any(b._unit_state.reduce_scatter_group is not
+                                                   model._unit_state.reduce_scatter_group for b in model.blocks):
+            problems.append(f"{on_own} reduce-scatters over the separate group (not {STEPS * 4}), {elsewhere} elsewhere")
     if case == "two_reduce_scatters_in_flight" and model._unit_state.root.scheduler.max_reductions_in_flight != 2:
         problems.append(f"{model._unit_state.root.scheduler.max_reductions_in_flight} reductions in flight, not 2")
     if case == "matrices_on_dim_1":

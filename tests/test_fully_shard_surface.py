@@ -307,6 +307,15 @@ def _refusals(rank: int, world_size: int) -> None:
     capped.blocks[1].set_reduce_scatter_max_input_buffers(3, recurse=False)
     assert [b._unit_state.reduce_scatters_in_flight for b in capped.blocks] == [1, 3, 1]
     assert capped._unit_state.root.scheduler.max_reductions_in_flight == 3
+    # A reduce-scatter group of their own: one for all (the same ranks), kept by a second call; False: the shard group
+    capped.set_separate_reduce_scatter_group()
+    scatter = capped._unit_state.reduce_scatter_group
+    assert scatter is not None and torch.distributed.get_process_group_ranks(scatter) == [0, 1, 2, 3]
+    capped.set_separate_reduce_scatter_group()
+    capped.blocks[0].set_separate_reduce_scatter_group(False, recurse=False)
+    assert [u._unit_state.reduce_scatter_group for u in (capped, *capped.blocks)] == [scatter, None, scatter, scatter]
+    capped(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()
+    assert all(p.grad is not None for p in capped.parameters())
     hsdp = fully_shard(fresh(), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     with pytest.raises(ValueError, match="^stream cannot be set when using native HSDP$"):  # (torch's type and phrase)
         hsdp.set_all_reduce_hook(lambda reduce_output: None, stream=object())

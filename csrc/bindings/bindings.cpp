@@ -201,6 +201,14 @@ PYBIND11_MODULE(_C, m) {
             return self.add_groups(flatshard::Collectives(shard_group), std::move(replicate));
           },
           py::arg("shard_group"), py::arg("replicate_group"))
+      .def(
+          "set_reduce_scatter_group",
+          [](Scheduler& self, std::int64_t index, const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& group) {
+            std::optional<flatshard::Collectives> scatter;
+            if (group.has_value()) scatter.emplace(*group);
+            self.set_reduce_scatter_group(index, std::move(scatter));
+          },
+          py::arg("index"), py::arg("group"))
       .def_property_readonly("rank", &Scheduler::rank)
       .def_property_readonly("world_size", &Scheduler::world_size)
       .def_property_readonly("has_events", &Scheduler::has_events)

@@ -106,12 +106,23 @@ Scheduler::Scheduler(Collectives shard, std::optional<Collectives> replicate, c1
       reduce_scatter_stream_(pool_stream(device)),
       all_reduce_stream_(pool_stream(device)),
       limiter_(max_in_flight) {
-  groups_.push_back(GroupPair{std::move(shard), std::move(replicate)});
+  groups_.push_back(GroupPair{std::move(shard), std::move(replicate), std::nullopt});
 }
 
 std::int64_t Scheduler::add_groups(Collectives shard, std::optional<Collectives> replicate) {
-  groups_.push_back(GroupPair{std::move(shard), std::move(replicate)});
+  groups_.push_back(GroupPair{std::move(shard), std::move(replicate), std::nullopt});
   return static_cast<std::int64_t>(groups_.size()) - 1;
+}
+
+void Scheduler::set_reduce_scatter_group(std::int64_t index, std::optional<Collectives> group) {
+  TORCH_CHECK(index >= 0 && index < static_cast<std::int64_t>(groups_.size()), "flatshard: group pair ", index,
+              " but the scheduler has ", groups_.size());
+  GroupPair& pair = groups_[static_cast<std::size_t>(index)];
+  TORCH_CHECK(!group.has_value() || (group->size() == pair.shard.size() && group->rank() == pair.shard.rank()),
+              "flatshard: a reduce-scatter group of ", group.has_value() ? group->size() : 0,
+              " ranks (this rank ", group.has_value() ? group->rank() : -1, ") for a shard group of ",
+              pair.shard.size(), " (this rank ", pair.shard.rank(), "): it must be the same ranks");
+  pair.reduce_scatter = std::move(group);
 }
 
 Scheduler::GroupPair& Scheduler::groups_of(const FlatParamHandle& unit) {
@@ -279,12 +290,13 @@ void Scheduler::reduce_grad(FlatParamHandle& unit) {
     RECORD_USER_SCOPE(unit.reduce_scatter_range());
     // (With a dim-0 trainable prefix, the prefix of the shard: padded with zeros once reduced.)
     record.grad_shard = at::empty({record.flat_grad.numel() / unit.layout().shard_factor()}, record.flat_grad.options());
-    check_sequence(groups.shard, unit, "reduce_scatter", record.flat_grad.nbytes());
+    Collectives& scatter = groups.scatter();
+    check_sequence(scatter, unit, "reduce_scatter", record.flat_grad.nbytes());
     unit.count_collective(FlatParamHandle::kReduceScattered, static_cast<std::int64_t>(record.flat_grad.nbytes()));
-    record.shard_work = groups.shard.reduce_scatter_sum(record.grad_shard, record.flat_grad);
+    record.shard_work = scatter.reduce_scatter_sum(record.grad_shard, record.flat_grad);
     // The collective holds the input itself (gloo) and drops it when done,
     // rather than when the host next completes reductions.
-    if (groups.shard.holds_reduce_scatter_input(record.flat_grad.device())) record.flat_grad = at::Tensor();
+    if (scatter.holds_reduce_scatter_input(record.flat_grad.device())) record.flat_grad = at::Tensor();
   }
   reductions_.push_back(std::move(record));
 }

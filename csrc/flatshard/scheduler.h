@@ -92,6 +92,10 @@ class Scheduler {
   // issue its collectives in the same order because they run the same units in
   // the same order. Returns the new pair's index.
   std::int64_t add_groups(Collectives shard, std::optional<Collectives> replicate);
+  // fully_shard's set_separate_reduce_scatter_group: pair `index` reduce-scatters over `group` (a group of
+  // the same ranks as its shard group, so that reduce-scatters and all-gathers can progress at once on
+  // backends that run one collective at a time per group, NCCL's); nullopt: over the shard group again.
+  void set_reduce_scatter_group(std::int64_t index, std::optional<Collectives> group);
   const c10::Device& device() const { return device_; }
   bool has_events() const { return has_events_; }
 
@@ -210,6 +214,8 @@ class Scheduler {
   struct GroupPair {
     Collectives shard;
     std::optional<Collectives> replicate;
+    std::optional<Collectives> reduce_scatter;  // see set_reduce_scatter_group; nullopt: `shard`
+    Collectives& scatter() { return reduce_scatter.has_value() ? *reduce_scatter : shard; }
   };
   GroupPair& groups_of(const FlatParamHandle& unit);
   GroupPair& group_pair(const FlatParamHandle& unit, std::int64_t index);

@@ -174,7 +174,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 # FSDPModule's methods flatshard does not have yet: each raises NotImplementedError naming itself.
-_NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_separate_reduce_scatter_group",
+_NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter",
             "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm")
 
 
@@ -320,6 +320,28 @@ class FSDPModule(TorchFSDPModule):
         root = self._unit_state.root
         if root is not None:
             _runtime.set_reductions_in_flight(root)
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """True: the gradients' reduce-scatters run over a process group of their own (the same ranks as the shard
+        group's, made here with ``dist.new_group(..., use_local_synchronization=True)``, one per set of ranks and
+        reused by a later call), so that they can progress while the next all-gathers do, on backends that run one
+        collective at a time per group (NCCL); False: over the shard group again. As torch's, a collective call:
+        every rank of those groups makes it, in the same order."""
+        import torch.distributed as dist
+
+        made: dict[tuple[int, ...], Any] = {}
+        for m in self._units(recurse):
+            s = m._unit_state
+            if not enable:
+                s.reduce_scatter_group = None
+            else:
+                ranks = tuple(dist.get_process_group_ranks(s.config.process_group))
+                if ranks not in made:
+                    made[ranks] = s.reduce_scatter_group if s.reduce_scatter_group is not None else dist.new_group(
+                        list(ranks), use_local_synchronization=True, group_desc="fsdp_reduce_scatter")
+                s.reduce_scatter_group = made[ranks]
+            if s.root is not None:
+                _runtime.assign_groups(s.root, s)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: the parameters stay unsharded after backward, so that the next forward gathers nothing

@@ -92,16 +92,30 @@ FORWARD, SUMMONING = TrainingState.FORWARD, TrainingState.SUMMONING
 # ----------------------------------------------------------------- lazy init
 
 
-def _post_forward_group_index(scheduler: _C.Scheduler, pairs: dict, s: UnitState) -> int:
+def _post_forward_group_index(root: RootState, s: UnitState) -> int:
     """The scheduler's group pair of the unit's post-forward group (see [Note: Reshard to a smaller group] in
     csrc/flatshard/flat_param.h), added on first use; -1 without one."""
     group = s.config.post_forward_group
-    if group is None:
-        return -1
-    key = (id(group), None)
-    if key not in pairs:
-        pairs[key] = scheduler.add_groups(group, None)
-    return pairs[key]
+    return -1 if group is None else _group_pair(root, group, None, None)
+
+
+def _group_pair(root: RootState, shard: Any, replicate: Any, scatter: Any) -> int:
+    """The index of the scheduler's pair of these groups (see [Note: Groups per unit] in csrc/flatshard/scheduler.h),
+    added on first use; ``scatter``: fully_shard's separate reduce-scatter group, or None."""
+    key = (id(shard), id(replicate), id(scatter))
+    if key not in root.group_pairs:
+        index = root.group_pairs[key] = root.scheduler.add_groups(shard, replicate)
+        if scatter is not None:
+            root.scheduler.set_reduce_scatter_group(index, scatter)
+    return root.group_pairs[key]
+
+
+def assign_groups(root: RootState, s: UnitState) -> None:
+    """The unit's collectives onto its groups' pair (at lazy init; again after set_separate_reduce_scatter_group)."""
+    if s.handle is not None:
+        s.handle.group_index = _group_pair(root, s.config.process_group, s.config.replicate_group,
+                                           s.reduce_scatter_group)
+        s.handle.post_forward_group_index = _post_forward_group_index(root, s)
 
 
 def set_reductions_in_flight(root: RootState) -> None:
@@ -120,18 +134,12 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
     top = root._unit_state
     scheduler = _C.Scheduler(top.config.process_group, top.config.replicate_group, top.device,
                              all_gather_limit(top.config.limit_all_gathers))
+    root_state = RootState(root, scheduler, [u for _, u in units])
     # Units over other groups (e.g. experts over an expert group): one pair each; see
     # [Note: Groups per unit] in csrc/flatshard/scheduler.h.
-    pairs = {(id(top.config.process_group), id(top.config.replicate_group)): 0}
-    for name, unit in units:
-        s = unit._unit_state
-        key = (id(s.config.process_group), id(s.config.replicate_group))
-        if key not in pairs:
-            pairs[key] = scheduler.add_groups(s.config.process_group, s.config.replicate_group)
-        if s.handle is not None:
-            s.handle.group_index = pairs[key]
-            s.handle.post_forward_group_index = _post_forward_group_index(scheduler, pairs, s)
-    root_state = RootState(root, scheduler, [u for _, u in units])
+    root_state.group_pairs[(id(top.config.process_group), id(top.config.replicate_group), id(None))] = 0
+    for _, unit in units:
+        assign_groups(root_state, unit._unit_state)
     set_reductions_in_flight(root_state)
     for _, unit in units:
         previous = unit._unit_state.root

@@ -112,6 +112,7 @@ class UnitState:
         "orig_grad_seen",  # use_orig_params: which got a gradient since the last reduced backward
         "orig_grad_held",  # use_orig_params: which hold a .grad from the shard (given, not set to None since)
         "reduce_unused",  # fully_shard's set_reduce_scatter_unused_params: every parameter counts as seen
+        "reduce_scatter_group",  # fully_shard's set_separate_reduce_scatter_group: its reduce-scatters' group, or None
         "reduce_scatters_in_flight",  # fully_shard's set_reduce_scatter_max_input_buffers (its root's scheduler takes
         # the largest of its units': see [Note: Reductions in flight] in csrc/flatshard/scheduler.h)
         "all_reduce_hook",  # fully_shard's set_all_reduce_hook (see [Note: The all-reduce hook] in flat_param.h)
@@ -173,6 +174,7 @@ class UnitState:
         self.orig_grad_held: list[bool] = []
         self.reduce_unused = False
         self.reduce_scatters_in_flight = 1
+        self.reduce_scatter_group: Any = None
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.orig_grads_given: tuple[weakref.ref, list[tuple[weakref.ref | None, int]]] | None = None
         self.buffer_orig_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
@@ -232,6 +234,7 @@ class RootState:
         "unit",  # the root FullyShardedDataParallel
         "scheduler",  # the C++ Scheduler every unit of this root uses
         "units",  # every unit, the root first, in module order (the same on every rank)
+        "group_pairs",  # (id(shard group), id(replicate group), id(reduce-scatter group)) -> the scheduler's pair
         "orig_param_units",  # the units with use_orig_params and parameters
         "sharded_handles",  # the handles of the units that all-gather (not replicated)
         "guard",  # the RankGuard, or None (off)
@@ -264,6 +267,7 @@ class RootState:
         self.unit = unit
         self.scheduler = scheduler
         self.units = units
+        self.group_pairs: dict[tuple[int, int, int], int] = {}
         self.orig_param_units = [u for u in units if u._unit_state.config.use_orig_params and u._unit_state.handle is not None]
         self.sharded_handles = [u._unit_state.handle for u in units
                                 if u._unit_state.handle is not None and not u._unit_state.replicated]
