@@ -54,7 +54,8 @@ WORLD_SIZES = [1, 2, 4]
 FORWARD_PREFETCH = {"reshard_after_forward=True": (1, 2, True), "explicit_prefetch": (2, 1, True),
                     "no_forward_prefetch": (1, 1, False)}
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
-W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty"]
+W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty",
+            "divide_factor"]
 # At W = 4 every unit's last rank holds fewer rows than the others (the position table's 1 row of 3): the cases
 # whose code or arithmetic depends on the world size beyond that (the gathers and reductions of each resharding
 # and precision path, no_sync, sharding on meta; fp16's divide factors); the rest (frozen, ignored and
@@ -170,9 +171,11 @@ def _build(impl: str, case: str) -> nn.Module:
         model.hook_calls = []
         for m in [model, *model.blocks]:
             m.set_all_reduce_hook(functools.partial(_scale_and_shift, model.hook_calls))
-    if case == "divide_factor_summed":  # SUM, then divided by 3 (torch's PREMUL_SUM, unforced, is NCCL's alone)
+    if case.startswith("divide_factor"):  # divided by 3; summed: SUM, then divided (torch's PREMUL_SUM, unforced, is
+        # NCCL's alone: unsummed at W = 1 only, where nothing is reduced; summed at W > 1 only, as torch's FSDP2 2.13
+        # divides by the factor twice at W = 1 there, see README's differences)
         for m in [model, *model.blocks]:
-            m.set_force_sum_reduction_for_comms(True)
+            m.set_force_sum_reduction_for_comms(case.endswith("summed"))
             m.set_gradient_divide_factor(3.0)
     if case == "cast_to_float64_after":  # the shards, their gradients and the parameters' DTensors follow
         model.to(torch.float64)
