@@ -363,6 +363,34 @@ def test_strict_mode_names_mismatched_collectives():
     run_distributed(_unit_skipped_on_one_rank, 2, timeout=DEADLINE, pg_timeout=PG_TIMEOUT)
 
 
+def _backward_skipped_on_one_rank_with_a_reduce_scatter_group(rank, world_size):
+    """fully_shard with the reduce-scatters over a group of their own (set_separate_reduce_scatter_group), strict mode:
+    rank 1's loss does not reach blocks.1 (its output detached there), so in backward rank 0 gathers blocks.0 where
+    rank 1 reduce-scatters the root. Both checks run on the shard group and raise; before, the reduce-scatter's ran
+    on its own group, and the two ranks waited in checks on two groups until the group's timeout."""
+    import os
+
+    os.environ["FLATSHARD_RANK_GUARD"] = "strict"
+    from flatshard import RankDivergenceError, fully_shard
+
+    model = make_gpt(seed=0)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.set_separate_reduce_scatter_group()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, rank, world_size)
+    if rank == 1:
+        model.blocks[1].register_forward_hook(lambda module, args, output: output.detach())
+    with pytest.raises(RankDivergenceError, match=r"ranks issue different collectives \(FLATSHARD_RANK_GUARD=strict.*"
+                                           r"reduce_scatter of unit"):
+        _step(model, opt, 1, rank, world_size)
+
+
+def test_strict_mode_meets_on_one_group_with_a_separate_reduce_scatter_group():
+    run_distributed(_backward_skipped_on_one_rank_with_a_reduce_scatter_group, 2, timeout=DEADLINE, pg_timeout=30.0)
+
+
 # Legitimate scripts the guard must let through (found by a review: each failed or hung before).
 
 def _asymmetric_groups(rank, world_size):

@@ -291,7 +291,9 @@ void Scheduler::reduce_grad(FlatParamHandle& unit) {
     // (With a dim-0 trainable prefix, the prefix of the shard: padded with zeros once reduced.)
     record.grad_shard = at::empty({record.flat_grad.numel() / unit.layout().shard_factor()}, record.flat_grad.options());
     Collectives& scatter = groups.scatter();
-    check_sequence(scatter, unit, "reduce_scatter", record.flat_grad.nbytes());
+    // (Checked on the shard group, the same ranks as `scatter`: with every check of a unit on one group, ranks that
+    // diverge meet in the same check and raise, rather than wait in checks on two groups.)
+    check_sequence(groups.shard, unit, "reduce_scatter", record.flat_grad.nbytes());
     unit.count_collective(FlatParamHandle::kReduceScattered, static_cast<std::int64_t>(record.flat_grad.nbytes()));
     record.shard_work = scatter.reduce_scatter_sum(record.grad_shard, record.flat_grad);
     // The collective holds the input itself (gloo) and drops it when done,

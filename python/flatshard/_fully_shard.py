@@ -332,10 +332,17 @@ class FSDPModule(TorchFSDPModule):
         made: dict[tuple[int, ...], Any] = {}
         for m in self._units(recurse):
             s = m._unit_state
+            if s.handle is None:  # (nothing to reduce: no group made for it, as torch's)
+                continue
             if not enable:
                 s.reduce_scatter_group = None
             else:
                 ranks = tuple(dist.get_process_group_ranks(s.config.process_group))
+                if list(ranks) != sorted(ranks):  # new_group numbers its ranks in increasing order: shards would move
+                    raise NotImplementedError(
+                        f"FSDPModule.set_separate_reduce_scatter_group: the shard group of '{s.label}' numbers its "
+                        f"ranks {list(ranks)}, not in increasing order, which a group of their own would renumber; "
+                        f"flatshard does not support that yet: leave the reduce-scatters on the shard group.")
                 if ranks not in made:
                     made[ranks] = s.reduce_scatter_group if s.reduce_scatter_group is not None else dist.new_group(
                         list(ranks), use_local_synchronization=True, group_desc="fsdp_reduce_scatter")
