@@ -172,7 +172,8 @@ class Scheduler {
   // Catches what the per-phase guard cannot (a unit that runs on one rank
   // only). Costs one small blocking collective per collective (a device
   // synchronize on GPUs): for debugging. See [Note: Rank-divergence guard].
-  // Limit: the check runs on the collective's own group, so ranks that skip
+  // Limit: the check runs on the collective's own group (a reduce-scatter over
+  // a separate group's: on its shard group, the same ranks), so ranks that skip
   // a unit over a subgroup (experts) while their peers run it can block in
   // checks on different groups until the groups' timeouts; the error then
   // names the unit and the check.
