@@ -391,7 +391,7 @@ def end_forward(unit: Any, call: ForwardCall, output: Any, raised: bool = False)
         if s.is_root:
             s.root.in_forward_call = False
             if s.root.prefetched_ahead is not None:  # (its forward never came: see [Note: Forward prefetch])
-                drop_unused_prefetch(s.root)
+                _drop_unused_prefetch(s.root)
         s.switch("end of forward")
         return output if raised else _post_forward(s, call.use, call.grad_enabled, call.inputs, output)
     if kind == "recompute":
@@ -455,7 +455,7 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     position = len(root.pre_forward_order)
     root.pre_forward_order.append(s)
     if root.prefetched_ahead is not None and root.prefetched_ahead is not s:
-        drop_unused_prefetch(root)
+        _drop_unused_prefetch(root)
     root.prefetched_ahead = None
     handle = s.handle
     if handle is None:
@@ -508,7 +508,7 @@ def _forward_prefetch_target(root: RootState, s: UnitState, position: int) -> _C
     return t.handle
 
 
-def drop_unused_prefetch(root: RootState) -> None:
+def _drop_unused_prefetch(root: RootState) -> None:
     """The unit the last forward prefetch gathered did not run next: sharded again (see [Note: Forward prefetch])."""
     t, root.prefetched_ahead = root.prefetched_ahead, None
     if t is not None and t.handle is not None and not t.holds_unsharded:
