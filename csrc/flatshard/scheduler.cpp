@@ -373,13 +373,20 @@ void Scheduler::complete_shard_reduction() {
       record.replica_work = replicate->all_reduce_sum(record.grad_shard);
     }
   }
+  if (!record.replica_work.defined()) {
+    finish_reduction(std::move(record));
+    return;
+  }
   replica_reductions_.push_back(std::move(record));
-  if (!replica_reductions_.back().replica_work.defined()) complete_replica_reduction();
 }
 
 void Scheduler::complete_replica_reduction() {
   PendingReduction record = std::move(replica_reductions_.front());
   replica_reductions_.pop_front();
+  finish_reduction(std::move(record));
+}
+
+void Scheduler::finish_reduction(PendingReduction record) {
   stream_wait(all_reduce_stream_, reduce_scatter_stream_);
   c10::StreamGuard stream_guard(all_reduce_stream_);
   wait_for(record.replica_work, *record.unit, "replica all-reduce");

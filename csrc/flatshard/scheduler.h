@@ -206,8 +206,13 @@ class Scheduler {
   void reap_completed_reductions();
   // Shard-group reduction done: divide, or hand over to the replica all-reduce.
   void complete_shard_reduction();
-  // Replica all-reduce done (or none needed): accumulate into `.grad`.
+  // The oldest replica all-reduce done: finish_reduction.
   void complete_replica_reduction();
+  // A reduction's last stage done: the all-reduce hook, the post-divide, accumulate into `.grad`. One that
+  // needs no replica all-reduce is finished as its shard-group stage completes, not queued behind another
+  // unit's replica all-reduce (a unit over other groups beside HSDP ones would wait for it, and wait to be
+  // finished until the next reduction).
+  void finish_reduction(PendingReduction record);
   // Makes `waiter` wait for everything queued so far on `signaller`.
   void stream_wait(const c10::Stream& waiter, const c10::Stream& signaller);
   c10::Stream current_stream() const;

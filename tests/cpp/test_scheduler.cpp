@@ -117,6 +117,29 @@ void run_ranks(int size, const std::function<void(int, c10::intrusive_ptr<c10d::
   for (auto& t : threads) t.join();
 }
 
+// Runs fn(rank, shard group, replicate group) on 4 threads as HSDP's 2x2 mesh: shard groups {0, 1} and {2, 3},
+// replicate groups {0, 2} and {1, 3}; each group its own rendezvous.
+void run_hsdp_ranks(
+    const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::ProcessGroup>)>& fn) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::shared_ptr<Rendezvous>> shards{std::make_shared<Rendezvous>(2), std::make_shared<Rendezvous>(2)};
+  std::vector<std::shared_ptr<Rendezvous>> replicas{std::make_shared<Rendezvous>(2), std::make_shared<Rendezvous>(2)};
+  const auto group = [&](int rank_in_group, const std::shared_ptr<Rendezvous>& rv) {
+    auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank_in_group, 2);
+    pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM,
+                   c10::make_intrusive<ThreadBackend>(rank_in_group, rv));
+    pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+    return pg;
+  };
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 4; ++rank) {
+    threads.emplace_back([&, rank]() {
+      fn(rank, group(rank % 2, shards[rank / 2]), group(rank / 2, replicas[rank % 2]));
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
 // Two parameters of 3x2 and 5 elements: 11 elements, padded to 12 for F = 2.
 std::vector<at::Tensor> params() {
   return {at::arange(6, at::kFloat).view({3, 2}), at::arange(6, 11, at::kFloat)};
@@ -223,6 +246,41 @@ TEST(Scheduler, KeepsUpToMaxReductionsInFlight) {
         EXPECT_TRUE(at::allclose(units[i]->local_shard().grad(), expected.narrow(0, rank * 6, 6)));
       }
     }
+  });
+}
+
+TEST(Scheduler, AUnitWithoutReplicasIsNotQueuedBehindAnotherUnitsReplicaAllReduce) {
+  // An HSDP unit and units over the shard group alone (experts beside HSDP blocks): the latter's gradient shards
+  // are written as their reduce-scatters complete, not after the HSDP unit's pending all-reduce.
+  run_hsdp_ranks([](int rank, c10::intrusive_ptr<c10d::ProcessGroup> shard,
+                    c10::intrusive_ptr<c10d::ProcessGroup> replicate) {
+    FlatParamLayout layout({{3, 2}, {5}}, 2);
+    FlatParamOptions hybrid;
+    hybrid.all_reduce_replicas = true;
+    Scheduler scheduler(Collectives(shard), Collectives(replicate), c10::Device(c10::kCPU), 2);
+    const std::int64_t alone = scheduler.add_groups(Collectives(shard), std::nullopt);
+    const int shard_rank = rank % 2;
+    FlatParamHandle a("a", layout, shard_rank, params(), hybrid);
+    FlatParamHandle b("b", layout, shard_rank, params(), FlatParamOptions());
+    FlatParamHandle c("c", layout, shard_rank, params(), FlatParamOptions());
+    b.set_group_index(alone);
+    c.set_group_index(alone);
+    for (FlatParamHandle* unit : {&a, &b, &c}) {
+      unit->accumulate_grad({at::ones({3, 2}), at::ones({5})});
+      scheduler.reduce_grad(*unit);
+    }
+    // c's reduce-scatter completed b's: b is finished; a still waits for its replica all-reduce's completion.
+    EXPECT_TRUE(b.local_shard().grad().defined());
+    EXPECT_FALSE(a.local_shard().grad().defined());
+    EXPECT_EQ(scheduler.pending_reductions(), 2);
+    scheduler.finish_grad_sync();
+    EXPECT_EQ(scheduler.pending_reductions(), 0);
+    const auto expected = [&](float sum) {  // summed over the ranks that reduced it, padding 0
+      return at::cat({at::full({11}, sum), at::zeros({1})}).narrow(0, shard_rank * 6, 6);
+    };
+    EXPECT_TRUE(at::allclose(a.local_shard().grad(), expected(4.0f)));
+    EXPECT_TRUE(at::allclose(b.local_shard().grad(), expected(2.0f)));
+    EXPECT_TRUE(at::allclose(c.local_shard().grad(), expected(2.0f)));
   });
 }
 
