@@ -359,3 +359,40 @@ def test_forwards_without_backward_do_not_grow_the_iteration():
         for api, (held, units, same) in out.items():
             assert held <= 2 * units, f"rank {rank}, {api}: the iteration holds {held} unit forwards of {units} units"
             assert same, f"rank {rank}, {api}: gradients after dropped forwards differ from a fresh model's"
+
+
+def _class_prefetch_frees_what_did_not_run(rank, world_size):
+    """The class with forward_prefetch=True over `_Skippable` (every Linear a unit), against torch's FSDP1: a training
+    forward that skips blocks.0, which the unit before it prefetches (the learned order), then one that runs it again.
+    Returns each run's losses, and for flatshard's the blocks still gathered after each forward."""
+    from flatshard import FullyShardedDataParallel, _C
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from test_fully_shard_state import _Skippable
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    results = {}
+    for name, cls in (("torch", TorchFSDP), ("flatshard", FullyShardedDataParallel)):
+        model = cls(_Skippable(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), forward_prefetch=True,
+                    device_id=torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, gathered = [], []
+        for skip in [(), (0,), ()]:
+            loss = model(x, skip).square().mean()
+            if name == "flatshard":
+                gathered.append([i for i, b in enumerate(model.module.blocks)
+                                 if b._unit_state.handle.state != _C.ShardedState.SHARDED])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        results[name] = (losses, gathered)
+    return results["flatshard"][0], results["torch"][0], results["flatshard"][1]
+
+
+def test_the_class_forward_prefetch_frees_a_unit_that_did_not_run():
+    """[Note: Forward prefetch] for the class too (its forward_prefetch=True): before, the block the forward skipped
+    stayed gathered until the end of backward."""
+    for rank, (ours, theirs, gathered) in enumerate(run_distributed(_class_prefetch_frees_what_did_not_run, 2,
+                                                                    timeout=120)):
+        assert ours == theirs, f"rank {rank}: losses {ours} != torch FSDP1's {theirs}"
+        assert gathered == [[], [], []], f"rank {rank}: blocks gathered after each forward: {gathered}"
