@@ -225,8 +225,14 @@ def _build_handle(s: UnitState, params: list[nn.Parameter], local_names: list[st
     layout."""
     shapes = [list(p.shape) for p in params]
     if s.config.dim0_layout:
-        dims = (s.config.shard_dims_of(params, local_names, s.config.shard_factor) if s.config.shard_dims_of
-                else [0] * len(params))
+        # (a tensor-parallel parameter's dim was chosen at fully_shard: see [Note: Tensor-parallel parameters])
+        dims = [s.tp_params[id(p)].dim if id(p) in s.tp_params else 0 for p in params]
+        plain = [i for i, p in enumerate(params) if id(p) not in s.tp_params]
+        if s.config.shard_dims_of and plain:
+            given = s.config.shard_dims_of([params[i] for i in plain], [local_names[i] for i in plain],
+                                           s.config.shard_factor)
+            for i, dim in zip(plain, given):
+                dims[i] = dim
         layout = _C.FlatParamLayout.dim0(shapes, s.config.shard_factor, dims)
     else:
         layout = _C.FlatParamLayout(shapes, s.config.shard_factor)
@@ -347,8 +353,9 @@ def check_not_owned(p: torch.Tensor, fqn: str, fully_shard: bool = False) -> Non
     owner = getattr(p, OWNER_ATTR, None)
     is_dtensor = type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor"
     if owner is None and is_dtensor:
-        raise NotImplementedError(f"flatshard: parameter '{fqn}' is a DTensor (tensor parallelism?), which flatshard "
-                                  f"does not shard yet; shard plain parameters.")
+        raise NotImplementedError(f"flatshard: parameter '{fqn}' is a DTensor (tensor parallelism?), which "
+                                  f"flatshard's FullyShardedDataParallel does not shard; shard plain parameters, or "
+                                  f"shard a tensor-parallel model with flatshard.fully_shard (FSDP2's API).")
     if owner is None:
         return
     owner_unit, owner_fqn = owner

@@ -68,9 +68,13 @@ def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int])
     (0 unless shard_placement_fn said otherwise), and ``Replicate()`` over HSDP's first mesh dim."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    mesh = s.config.mesh
-    dim = _rows(s)[index][3]
-    placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
+    tp = s.tp_params.get(index)
+    if tp is not None:  # (see [Note: Tensor-parallel parameters] in _tensor_parallel.py)
+        mesh, placements = tp.mesh, tp.placements
+    else:
+        mesh = s.config.mesh
+        dim = _rows(s)[index][3]
+        placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
     with torch.no_grad():
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
@@ -83,9 +87,12 @@ def init(s: UnitState, params: list[nn.Parameter]) -> None:
 
     _DTensor = DTensor
     layout = s.handle.layout
+    # (the parameters that were DTensors over a TP mesh, by index from now on)
+    s.tp_params = {i: s.tp_params[id(p)] for i, p in enumerate(params) if id(p) in s.tp_params}
     sharded = []
     for index, (p, local) in enumerate(zip(params, local_views(s, s.flat_param.detach()))):
-        sharded.append(nn.Parameter(_as_dtensor(s, index, local, list(p.shape)), requires_grad=p.requires_grad))
+        shape = list(s.tp_params[index].shape) if index in s.tp_params else list(p.shape)
+        sharded.append(nn.Parameter(_as_dtensor(s, index, local, shape), requires_grad=p.requires_grad))
     for m, attr, index in s.param_slots:
         m._parameters[attr] = sharded[index]
     for p, fqn in zip(sharded, s.param_names):  # (an outer fully_shard must not take them again)

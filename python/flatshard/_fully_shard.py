@@ -19,9 +19,11 @@ the class is only what the front-end resolves and how it presents the parameters
 This first version trains on a 1-D mesh or HSDP's 2-D one, ``reshard_after_forward`` True, False or an int (None:
 True, and the root keeps its parameters after forward; an int N: see [Note: Reshard to a smaller group] in
 csrc/flatshard/flat_param.h), ``mp_policy`` (every field), ``CPUOffloadPolicy`` (the runtime's offload),
-``ignored_params``, and ``shard_placement_fn`` giving ``Shard(i)`` (see [Note: Sharding on another dim] in
-csrc/flatshard/layout.h). What it does not support yet raises NotImplementedError naming the argument or method:
-meshes of 3 or more dims, a parameter given a mesh of its own, and the FSDPModule methods listed in ``_NOT_YET``. A list of modules is one unit (see
+``ignored_params``, ``shard_placement_fn`` giving ``Shard(i)`` (see [Note: Sharding on another dim] in
+csrc/flatshard/layout.h), and parameters that are DTensors over a TP mesh (see [Note: Tensor-parallel parameters] in
+_tensor_parallel.py). What it does not support yet raises NotImplementedError naming the argument or method:
+meshes of 3 or more dims, ``dp_mesh_dims``, a parameter given a mesh of its own, and the FSDPModule methods listed
+in ``_NOT_YET``. A list of modules is one unit (see
 [Note: A list of modules]).
 """
 
@@ -38,7 +40,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 
-from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_params, _runtime
+from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_params, _runtime, _tensor_parallel
 from flatshard._common import is_unit
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import TrainingState, UnitState
@@ -53,8 +55,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     """torch's ``torch.distributed.fsdp.fully_shard`` on flatshard's runtime (see [Note: fully_shard] and
     [Note: fully_shard's coverage]). Returns ``module``, now an ``FSDPModule``."""
     if dp_mesh_dims is not None:
-        raise NotImplementedError("fully_shard: dp_mesh_dims (an SPMD mesh with tensor or expert parallelism) is not "
-                                  "supported by flatshard yet; pass a 1-D mesh, or HSDP's 2-D one.")
+        raise NotImplementedError("fully_shard: dp_mesh_dims (torch's SPMD mesh, parameters over the data-parallel "
+                                  "dims themselves) is not supported by flatshard yet; pass a 1-D mesh, or HSDP's 2-D "
+                                  "one, and parameters that are DTensors over a separate TP mesh (see [Note: "
+                                  "Tensor-parallel parameters]).")
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard: expected an nn.Module or a non-empty list of them but got an empty list")
@@ -71,7 +75,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     config = _fsdp2_config.resolve(modules[0], mesh, reshard_after_forward, shard_placement_fn, mp_policy,
                                    offload_policy, ignored_params)
     # One unit for all of them (see [Note: A list of modules]): the first is the unit's module.
+    # DTensor parameters over a TP mesh: their local tensors are what this unit shards (see [Note: Tensor-parallel
+    # parameters] in _tensor_parallel.py)
+    taken = _tensor_parallel.take_local(modules, config, reshard_after_forward, shard_placement_fn)
     state = UnitState("", modules[0], config, config.device_id)
+    state.tp_params = taken
     for m in modules:
         m.__dict__["_unit_state"] = state
     _construction.build_flat_param(modules[0], modules[0], more_modules=modules[1:])

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
-from flatshard import _C, _comm_hooks, _dtensor_params, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch
+from flatshard import _C, _comm_hooks, _dtensor_params, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch, _tensor_parallel
 from flatshard._common import UsageError, clean_name, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
 from flatshard._mixed_precision import cast_floating
@@ -287,6 +287,8 @@ def set_views(state: UnitState, views, placeholders: bool = False) -> None:
             if registers:
                 m._parameters[attr] = state.orig_params[index]
         return
+    if state.tp_params:  # (see [Note: Tensor-parallel parameters] in _tensor_parallel.py)
+        views = _tensor_parallel.as_tp_dtensors(state, views)
     # Straight into __dict__: nn.Module.__setattr__ costs microseconds, three times a unit a step.
     for m, attr, index in state.param_slots:
         m.__dict__[attr] = views[index]

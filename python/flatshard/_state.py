@@ -134,6 +134,8 @@ class UnitState:
         # Forward methods] in _fully_shard.py), whose own forwards are part of its call
         "nested_forwards",  # how many of those forwards are running now
         "dim0_rows",  # fully_shard: where each parameter's rows are in the shard (_dtensor_params._rows)
+        "tp_params",  # fully_shard: {index: _tensor_parallel.TPParam} of the parameters that were DTensors over a TP
+        # mesh (see [Note: Tensor-parallel parameters]); before the construction, keyed by id of their local parameter
         "holds_unsharded",  # inside no_sync(keep_parameters_unsharded=True): nothing reshards (see [Note: no_sync])
         "forward_prefetch_to",  # fully_shard's set_modules_to_forward_prefetch: the units gathered after this one's
         # own all-gather in its pre-forward (None: the runtime's own rule)
@@ -188,6 +190,7 @@ class UnitState:
         self.reshards_after_backward = True
         self.forward_call: Any = None
         self.dim0_rows: list | None = None
+        self.tp_params: dict = {}
         self.holds_unsharded = False
         self.forward_input_dtype: torch.dtype | None = None
         self.comm_hook: Callable | None = None
