@@ -9,7 +9,9 @@
   ``transformers.distributed.fsdp.apply_fully_sharded_data_parallelism`` from the model's plan, which imports
   ``fully_shard`` from ``torch.distributed._composable.fsdp`` at import time): the model is flatshard's with the
   opt-in and torch's without, and both train the same, bit for bit; its ``save_pretrained`` loads into a plain
-  model with torch's trained weights.
+  model with torch's trained weights. With ``DistributedConfig(tp_size=2, fsdp_size=2)`` at W = 4, transformers
+  applies its tensor-parallel plan first and ``fully_shard`` over the fsdp dim after (see [Note: Tensor-parallel
+  parameters] in python/flatshard/_tensor_parallel.py): the same checks.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def _titan_loop(rank, world_size, path):
     return {"flatshard": kind, "losses": losses + went_on, "resumed": resumed}
 
 
-def _transformers_plan(rank, world_size, path):
-    """transformers shards the model itself from its FSDP plan, as from_pretrained with a distributed config does."""
+def _transformers_plan(rank, world_size, path, tp_size=1):
+    """transformers shards the model itself from its FSDP plan (after its TP plan with ``tp_size`` > 1), as
+    from_pretrained with a distributed config does."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -76,12 +79,15 @@ def _transformers_plan(rank, world_size, path):
     if rank == 0:
         tiny_llama().save_pretrained(path)
     torch.distributed.barrier()
-    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=world_size))
+    dp_size, dp_rank = world_size // tp_size, rank // tp_size  # (the tp dim is the mesh's last)
+    config = DistributedConfig(fsdp_size=dp_size, **({"tp_size": tp_size} if tp_size > 1 else {}))
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
+    tp_params = sum(len(getattr(p, "placements", ())) == 2 for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     g = torch.Generator().manual_seed(5)
     for _ in range(3):
-        ids = torch.randint(0, 128, (4, 12), generator=g).chunk(world_size)[rank]
+        ids = torch.randint(0, 128, (4, 12), generator=g).chunk(dp_size)[dp_rank]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -91,14 +97,14 @@ def _transformers_plan(rank, world_size, path):
     model.save_pretrained(os.path.join(path, "saved"))
     torch.distributed.barrier()
     plain = AutoModelForCausalLM.from_pretrained(os.path.join(path, "saved"))
-    return {"flatshard": _is_flatshard(model), "losses": losses,
+    return {"flatshard": _is_flatshard(model), "losses": losses, "tp_params": tp_params,
             "saved": {k: v.clone() for k, v in plain.state_dict().items()}}
 
 
-def _both(rank, world_size, tmp, script):
+def _both(rank, world_size, tmp, script, *args):
     from _frameworks import torch_then_flatshard
 
-    return torch_then_flatshard(lambda impl: script(rank, world_size, os.path.join(tmp, impl)))
+    return torch_then_flatshard(lambda impl: script(rank, world_size, os.path.join(tmp, impl), *args))
 
 
 def test_torchtitan_style_loop_runs_on_flatshard_through_the_opt_in(tmp_path):
@@ -109,10 +115,13 @@ def test_torchtitan_style_loop_runs_on_flatshard_through_the_opt_in(tmp_path):
     assert got["torch"]["resumed"] == got["torch"]["losses"][SAVE_AT:], got["torch"]
 
 
-def test_transformers_own_fsdp_plan_runs_on_flatshard_through_the_opt_in(tmp_path):
+@pytest.mark.parametrize("world_size, tp_size", [(2, 1), (4, 2)], ids=["fsdp", "tp_then_fsdp"])
+def test_transformers_own_fsdp_plan_runs_on_flatshard_through_the_opt_in(tmp_path, world_size, tp_size):
     pytest.importorskip("transformers")
-    got = run_distributed(_both, 2, str(tmp_path), _transformers_plan, timeout=280)[0]
+    got = run_distributed(_both, world_size, str(tmp_path), _transformers_plan, tp_size, timeout=280)[0]
     assert got["flatshard"]["flatshard"] and not got["torch"]["flatshard"]
+    if tp_size > 1:  # (parameters over the fsdp and tp dims both, as torch's)
+        assert got["flatshard"]["tp_params"] == got["torch"]["tp_params"] > 0, got["flatshard"]["tp_params"]
     assert got["flatshard"]["losses"] == got["torch"]["losses"], (got["flatshard"]["losses"], got["torch"]["losses"])
     ours, theirs = got["flatshard"]["saved"], got["torch"]["saved"]
     assert ours.keys() == theirs.keys()
