@@ -11,6 +11,8 @@ The models:
 - ``stack``: torch's own FSDP2+TP test model (three MLPs, 3x, 4x and 3x wide, column- then row-wise parallel, and a
   LayerNorm under sequence parallelism, whose replicated weight gets a Partial gradient that the TP mesh all-reduces);
   at width 5 its 15-wide layers split 8/7 over TP and every matrix is padded over FSDP;
+- ``stack_compiled``: each MLP ``torch.compile``d after ``fully_shard`` (its second MLP, of other widths, compiles
+  again: see [Note: Tensor-parallel parameters under torch.compile]);
 - ``stack_matrices_on_dim_1``: the same with ``shard_placement_fn`` sharding each local matrix on dim 1 (torch's
   2-D transformer init test's way: FSDP cuts the dim TP does not, and strided where row-wise TP cuts it too);
 - ``gpt``: the suite's GPT (tied embedding, a parameter on the root, a vocabulary of 67 rows) with TP on each block's
@@ -34,7 +36,8 @@ from models import gpt_loss, local_slice, make_batch, make_gpt
 
 STEPS, LR, VOCAB, SEQ = 3, 1e-2, 67, 10
 CASES_W4 = ["stack_uneven", "stack_checkpointed_kept", "stack_bf16", "stack_meta_to_empty", "stack_hsdp_2x1x2",
-            "stack_matrices_on_dim_1", "gpt_tp_mlp", "dcp_torch_to_flatshard", "dcp_flatshard_to_torch", "refusals"]
+            "stack_matrices_on_dim_1", "stack_compiled", "gpt_tp_mlp", "dcp_torch_to_flatshard",
+            "dcp_flatshard_to_torch", "refusals"]
 CASES_W2 = ["stack_uneven_1x2"]
 
 
@@ -98,7 +101,8 @@ def _build(impl: str, case: str, meshes: dict) -> tuple[nn.Module, int]:
         kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 else None
     if case.startswith("stack"):
         torch.manual_seed(42)
-        dim = 16 if case in ("stack_checkpointed_kept", "stack_meta_to_empty", "stack_matrices_on_dim_1") else 5
+        dim = 16 if case in ("stack_checkpointed_kept", "stack_meta_to_empty", "stack_matrices_on_dim_1",
+                             "stack_compiled") else 5
         if "meta" in case:  # torchtitan's way: on meta, parallelized and sharded, to_empty, then initialized
             with torch.device("meta"):
                 model = _Stack(dim)
@@ -112,6 +116,12 @@ def _build(impl: str, case: str, meshes: dict) -> tuple[nn.Module, int]:
                 checkpoint(module)
             fully_shard(module, mesh=dp, **kwargs)
         fully_shard(model, mesh=dp, **kwargs)
+        if "compiled" in case:  # torchtitan's way: each block after fully_shard (see test_fully_shard.py's backend)
+            import torch._dynamo as dynamo
+
+            dynamo.reset()
+            for i in range(3):
+                model[i] = torch.compile(model[i], backend="aot_eager")
         if "meta" in case:
             model.to_empty(device="cpu")
             torch.manual_seed(42)

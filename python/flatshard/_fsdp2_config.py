@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard import _tensor_parallel
 from flatshard._common import OWNER_ATTR
 from flatshard._config import UnitConfig
 from flatshard._mixed_precision import gradient_divide_factors
@@ -293,3 +294,81 @@ def with_divide_factors(config: UnitConfig, factor: float | None, force_sum: boo
     return dataclasses.replace(config, gradient_divide_factor=factor, force_sum_reduction=force_sum,
                                predivide=predivide, postdivide=postdivide,
                                divides_in_collectives=_divides_in_collectives(reduce_dtype, force_sum))
+
+
+def _is_dtensor(p: Any) -> bool:
+    return hasattr(p, "_spec") and hasattr(p, "_local_tensor")
+
+
+def take_tp_locals(modules: list[nn.Module], config: UnitConfig, reshard_after_forward: Any,
+                   shard_placement_fn: Callable | None) -> dict[int, _tensor_parallel.TPParam]:
+    """See [Note: Tensor-parallel parameters] in _tensor_parallel.py: the DTensor parameters the unit of ``modules``
+    (configured as ``config``) will manage are replaced on every module registering them by an ``nn.Parameter`` of
+    their local tensor (a tied one by one parameter); returns {id of that parameter: what it was}. Every refusal is
+    made before anything is replaced."""
+    ignored = config.ignored_params
+    found: dict[int, tuple[str, nn.Parameter]] = {}
+    for unit_module in modules:
+        for name, p in unit_module.named_parameters(remove_duplicate=True):
+            if p in ignored or getattr(p, OWNER_ATTR, None) is not None or not _is_dtensor(p):
+                continue
+            found.setdefault(id(p), (name, p))
+    if not found:
+        return {}
+    taken: dict[int, _tensor_parallel.TPParam] = {}
+    replacement: dict[int, nn.Parameter] = {}
+    for name, p in found.values():
+        info = _describe(name, p, config, reshard_after_forward if config.post_forward_group is not None else None,
+                         shard_placement_fn)
+        local = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
+        replacement[id(p)] = local
+        taken[id(local)] = info
+    for unit_module in modules:
+        for m in unit_module.modules():
+            for attr, p in list(m._parameters.items()):
+                if p is not None and id(p) in replacement:
+                    m._parameters[attr] = replacement[id(p)]
+    return taken
+
+
+def _describe(name: str, p: Any, config: UnitConfig, reshard_after_forward: Any,
+              shard_placement_fn: Callable | None) -> _tensor_parallel.TPParam:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dp_mesh = config.mesh
+    spec = p._spec
+    tp_mesh, tp_placements = spec.mesh, tuple(spec.placements)
+    where = f"fully_shard: parameter '{name}' is a DTensor over {tp_mesh}"
+    dp_names = set(dp_mesh.mesh_dim_names or ())
+    if tp_mesh is dp_mesh or (tp_mesh.mesh_dim_names and dp_names & set(tp_mesh.mesh_dim_names)):
+        raise NotImplementedError(f"{where}, which shares a dim with fully_shard's mesh {dp_mesh} (torch's SPMD path, "
+                                  f"dp_mesh_dims): flatshard supports a parameter over a TP mesh separate from the DP "
+                                  f"mesh only, as parallelize_module(block, world_mesh['tp'], plan) then "
+                                  f"fully_shard(block, mesh=world_mesh['dp']) make.")
+    if tp_mesh.ndim != 1:
+        raise NotImplementedError(f"{where} of {tp_mesh.ndim} dims: flatshard's fully_shard supports tensor "
+                                  f"parallelism over a 1-D mesh beneath it (no EP+TP yet).")
+    if not all(isinstance(pl, (Shard, Replicate)) for pl in tp_placements):
+        raise NotImplementedError(f"{where} with placements {tp_placements}: fully_shard takes parameters sharded "
+                                  f"(Shard) or replicated (Replicate) over their TP mesh, not partial ones.")
+    if reshard_after_forward is not None:  # (an int N below the shard group's size)
+        raise NotImplementedError(f"{where}: resharding to a smaller mesh after forward (reshard_after_forward="
+                                  f"{reshard_after_forward}) is not supported for DTensor parameters, by torch's "
+                                  f"FSDP2 either; pass True or False.")
+    if tp_mesh.device_type != dp_mesh.device_type:
+        raise ValueError(f"{where} on {tp_mesh.device_type}, fully_shard's mesh is on {dp_mesh.device_type}")
+    # As torch's: shard_placement_fn sees the DTensor; the dim is of its local tensor, which must divide by the
+    # shard group's size where it is not 0.
+    dim = 0 if shard_placement_fn is None else shard_dims(lambda _local: shard_placement_fn(p), dp_mesh,
+                                                          [p._local_tensor], [name], config.world_size)[0]
+    split = 1  # (how many TP shards this dim is cut into: FSDP's chunks of a local tensor are strided globally)
+    for pl, size in zip(tp_placements, tp_mesh.shape):
+        if isinstance(pl, Shard) and pl.dim == dim:
+            split *= size
+    fsdp = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    dp_placements = (fsdp,) if dp_mesh.ndim == 1 else (Replicate(), fsdp)
+    mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    return _tensor_parallel.TPParam(tp_mesh, tp_placements, spec.shape, tuple(spec.stride), mesh,
+                                    dp_placements + tp_placements, dim)

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 
-from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_params, _runtime, _tensor_parallel
+from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_params, _runtime
 from flatshard._common import is_unit
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import TrainingState, UnitState
@@ -77,7 +77,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     # One unit for all of them (see [Note: A list of modules]): the first is the unit's module.
     # DTensor parameters over a TP mesh: their local tensors are what this unit shards (see [Note: Tensor-parallel
     # parameters] in _tensor_parallel.py)
-    taken = _tensor_parallel.take_local(modules, config, reshard_after_forward, shard_placement_fn)
+    taken = _fsdp2_config.take_tp_locals(modules, config, reshard_after_forward, shard_placement_fn)
     state = UnitState("", modules[0], config, config.device_id)
     state.tp_params = taken
     for m in modules:
