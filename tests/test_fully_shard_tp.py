@@ -11,6 +11,9 @@ The models:
 - ``stack``: torch's own FSDP2+TP test model (three MLPs, 3x, 4x and 3x wide, column- then row-wise parallel, and a
   LayerNorm under sequence parallelism, whose replicated weight gets a Partial gradient that the TP mesh all-reduces);
   at width 5 its 15-wide layers split 8/7 over TP and every matrix is padded over FSDP;
+- ``stack_accumulated_bf16`` (a micro-batch without gradient sync before each step's) and ``stack_two_forwards`` (two
+  forwards a backward): the norm's Partial gradient summed as torch's sums it, and all-reduced over TP once, when the
+  unit reduces (see [Note: Partial gradients of tensor-parallel parameters]);
 - ``stack_compiled``: each MLP ``torch.compile``d after ``fully_shard`` (its second MLP, of other widths, compiles
   again: see [Note: Tensor-parallel parameters under torch.compile]);
 - ``stack_matrices_on_dim_1``: the same with ``shard_placement_fn`` sharding each local matrix on dim 1 (torch's
@@ -36,7 +39,8 @@ from models import gpt_loss, local_slice, make_batch, make_gpt
 
 STEPS, LR, VOCAB, SEQ = 3, 1e-2, 67, 10
 CASES_W4 = ["stack_uneven", "stack_checkpointed_kept", "stack_bf16", "stack_meta_to_empty", "stack_hsdp_2x1x2",
-            "stack_matrices_on_dim_1", "stack_compiled", "gpt_tp_mlp", "dcp_torch_to_flatshard",
+            "stack_matrices_on_dim_1", "stack_compiled", "stack_accumulated_bf16", "stack_two_forwards", "gpt_tp_mlp",
+            "dcp_torch_to_flatshard",
             "dcp_flatshard_to_torch", "refusals"]
 CASES_W2 = ["stack_uneven_1x2"]
 
@@ -141,6 +145,9 @@ def _loss(model: nn.Module, case: str, step: int, dp_rank: int, dp_size: int) ->
     if case.startswith("stack"):
         g = torch.Generator().manual_seed(1000 * step + dp_rank)
         dim = model[0].in_proj.in_features
+        if case == "stack_two_forwards":  # (the root's norm used twice in one backward)
+            first = model(torch.randn((8, 4, dim), generator=g)).sum()
+            return first + model(torch.randn((8, 4, dim), generator=g)).sum()
         return model(torch.randn((8, 4, dim), generator=g)).sum()
     return gpt_loss(model, *local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), dp_rank, dp_size))
 
@@ -150,6 +157,10 @@ def _train(model: nn.Module, case: str, dp_rank: int, dp_size: int, steps: range
     losses, grads = [], []
     for step in steps:
         opt.zero_grad(set_to_none=step % 2 == 0)
+        if case == "stack_accumulated_bf16":  # a micro-batch without gradient sync first
+            model.set_requires_gradient_sync(False)
+            _loss(model, case, step + 100, dp_rank, dp_size).backward()
+            model.set_requires_gradient_sync(True)
         loss = _loss(model, case, step, dp_rank, dp_size)
         loss.backward()
         grads = [p.grad.to_local().clone() for p in model.parameters()]

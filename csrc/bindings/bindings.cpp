@@ -178,6 +178,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_reduce_prefix", &FlatParamHandle::set_reduce_prefix, py::arg("numel"))
       .def_property_readonly("reduce_prefix", &FlatParamHandle::reduce_prefix)
       .def("take_unsharded_grad", &FlatParamHandle::take_unsharded_grad)
+      .def("put_back_unsharded_grad", &FlatParamHandle::put_back_unsharded_grad, py::arg("grad"))
       .def("drop_unsharded_grad", &FlatParamHandle::drop_unsharded_grad)
       .def_property_readonly("unsharded_grad", &FlatParamHandle::unsharded_grad);
 

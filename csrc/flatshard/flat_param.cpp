@@ -385,6 +385,18 @@ at::Tensor FlatParamHandle::take_unsharded_grad() {
   return grad.scalar_type() == reduce_dtype_ ? grad : grad.to(reduce_dtype_);
 }
 
+void FlatParamHandle::put_back_unsharded_grad(const at::Tensor& grad) {
+  TORCH_CHECK(layout_.kind() == LayoutKind::kDim0, "flatshard: unit '", name_,
+              "': put_back_unsharded_grad is for the dim-0 layout");
+  TORCH_CHECK(!unsharded_grad_.defined() && !accumulated_grad_.defined(), "flatshard: unit '", name_,
+              "': put_back_unsharded_grad while it holds an unsharded gradient (take it first)");
+  TORCH_CHECK(grad.defined() && grad.scalar_type() == reduce_dtype_ && grad.device() == compute_device_ &&
+                  grad.dim() == 1,
+              "flatshard: unit '", name_, "': put_back_unsharded_grad expects a 1-D ", reduce_dtype_,
+              " gradient on ", compute_device_);
+  accumulated_grad_ = grad;
+}
+
 void FlatParamHandle::set_local_shard(const at::Tensor& param) {
   TORCH_CHECK(param.defined() && param.is_alias_of(local_shard_) &&
                   param.numel() == local_shard_.numel(),

@@ -295,6 +295,10 @@ class FlatParamHandle {
   // Hands the unsharded flat gradient over (to the reduction), cast to
   // reduce_dtype on the current stream, and forgets it.
   at::Tensor take_unsharded_grad();
+  // Gives back what take_unsharded_grad() handed over (changed in place: fully_shard's tensor-parallel partial
+  // gradients added, see [Note: Partial gradients of tensor-parallel parameters] in _tensor_parallel.py), for the
+  // reduction that follows. Dim-0 layout.
+  void put_back_unsharded_grad(const at::Tensor& grad);
   // Forgets the unsharded flat gradient and a reduce-scatter-only sum, if any (a backward that raised).
   void drop_unsharded_grad() {
     unsharded_grad_ = at::Tensor();

@@ -76,7 +76,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
-from flatshard import _C, _comm_hooks, _dtensor_params, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch, _tensor_parallel
+from flatshard import (_C, _comm_hooks, _dtensor_params, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch,
+                       _tensor_parallel)
 from flatshard._common import UsageError, clean_name, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
 from flatshard._mixed_precision import cast_floating
@@ -815,9 +816,17 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
     hooked = reduce and s.comm_hook is not None
     ahead = (_backward_prefetch_target(use.order, use.index - 1)
              if done and s.config.backward_prefetch == BackwardPrefetch.BACKWARD_POST else None)
+    # (tensor-parallel partial gradients: all-reduced over TP before the reduction, see [Note: Partial gradients of
+    # tensor-parallel parameters] in _tensor_parallel.py)
+    partials = done and s.tp_params and _tensor_parallel.has_partials(s)
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
-    s.root.scheduler.post_backward(s.handle, list(grads), reduce and not hooked, done, reshard_unit,
+    s.root.scheduler.post_backward(s.handle, list(grads), reduce and not hooked and not partials, done, reshard_unit,
                                    None if hooked else ahead)
+    if partials:
+        if reduce:
+            _tensor_parallel.reduce(s)
+        else:
+            _tensor_parallel.end_backward(s)
     if reshard_unit:
         set_views(s, s.placeholders, placeholders=True)
     if hooked:  # see [Note: Communication hooks] in _comm_hooks.py
@@ -847,6 +856,8 @@ def finish_backward(root: RootState) -> None:
             # a use whose post-backward never ran
             if s.comm_hook is not None:
                 _comm_hooks.reduce(s)
+            elif s.tp_params and _tensor_parallel.has_partials(s):
+                _tensor_parallel.reduce(s)
             else:
                 root.scheduler.reduce_grad(handle)
     try:
@@ -883,6 +894,8 @@ def abort_backward(root: RootState) -> None:
             use.finish()
         if s.handle is not None:
             s.handle.drop_unsharded_grad()
+            if s.tp_params:
+                _tensor_parallel.drop(s)
             s.flat_param.grad = None
             reshard(s)
             if s.config.use_orig_params:

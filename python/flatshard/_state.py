@@ -136,6 +136,10 @@ class UnitState:
         "dim0_rows",  # fully_shard: where each parameter's rows are in the shard (_dtensor_params._rows)
         "tp_params",  # fully_shard: {index: _tensor_parallel.TPParam} of the parameters that were DTensors over a TP
         # mesh (see [Note: Tensor-parallel parameters]); before the construction, keyed by id of their local parameter
+        "tp_partial",  # {index: this backward's sum of its Partial gradients} (see [Note: Partial gradients of
+        # tensor-parallel parameters])
+        "tp_partial_acc",  # {index: earlier backwards' sums, in the reduce dtype} (gradient accumulation without sync)
+        "tp_specs",  # {(index, dtype): the DTensorSpec its unsharded DTensor has}
         "holds_unsharded",  # inside no_sync(keep_parameters_unsharded=True): nothing reshards (see [Note: no_sync])
         "forward_prefetch_to",  # fully_shard's set_modules_to_forward_prefetch: the units gathered after this one's
         # own all-gather in its pre-forward (None: the runtime's own rule)
@@ -191,6 +195,9 @@ class UnitState:
         self.forward_call: Any = None
         self.dim0_rows: list | None = None
         self.tp_params: dict = {}
+        self.tp_partial: dict = {}
+        self.tp_partial_acc: dict = {}
+        self.tp_specs: dict = {}
         self.holds_unsharded = False
         self.forward_input_dtype: torch.dtype | None = None
         self.comm_hook: Callable | None = None
