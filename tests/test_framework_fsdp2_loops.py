@@ -11,7 +11,8 @@
   opt-in and torch's without, and both train the same, bit for bit; its ``save_pretrained`` loads into a plain
   model with torch's trained weights. With ``DistributedConfig(tp_size=2, fsdp_size=2)`` at W = 4, transformers
   applies its tensor-parallel plan first and ``fully_shard`` over the fsdp dim after (see [Note: Tensor-parallel
-  parameters] in python/flatshard/_tensor_parallel.py): the same checks.
+  parameters] in python/flatshard/_tensor_parallel.py): the same checks, and a forward without grad after training
+  (transformers' TP layers then run on their local tensors, swapped into the modules' ``_parameters``).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def _transformers_plan(rank, world_size, path, tp_size=1):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    with torch.no_grad():  # (transformers runs a TP layer's no-grad forward on its local tensors, swapped into
+        losses.append(model(input_ids=ids, labels=ids).loss.item())  # _parameters: see [Note: fully_shard's
+        # parameters are registered, not shadowed])
     # save_pretrained of the sharded model (transformers gathers the DTensors), read back by a plain model
     model.save_pretrained(os.path.join(path, "saved"))
     torch.distributed.barrier()

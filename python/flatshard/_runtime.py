@@ -281,20 +281,29 @@ def set_views(state: UnitState, views, placeholders: bool = False) -> None:
     [Note: Original parameters] in _orig_params.py): the views that shadowed them go. With
     ``config.registers_unsharded`` (fully_shard) the views are the registered parameters meanwhile."""
     state.placeholders_set = placeholders
-    registers = state.config.registers_unsharded
-    if placeholders and state.config.use_orig_params:
+    if state.config.registers_unsharded:  # see [Note: fully_shard's parameters are registered, not shadowed]
+        if placeholders:
+            views = state.orig_params
+        elif state.tp_params:  # (see [Note: Tensor-parallel parameters] in _tensor_parallel.py)
+            views = _tensor_parallel.as_tp_dtensors(state, views)
         for m, attr, index in state.param_slots:
-            m.__dict__.pop(attr, None)
-            if registers:
-                m._parameters[attr] = state.orig_params[index]
+            m._parameters[attr] = views[index]
         return
-    if state.tp_params:  # (see [Note: Tensor-parallel parameters] in _tensor_parallel.py)
-        views = _tensor_parallel.as_tp_dtensors(state, views)
+    if placeholders and state.config.use_orig_params:
+        for m, attr, _ in state.param_slots:
+            m.__dict__.pop(attr, None)
+        return
     # Straight into __dict__: nn.Module.__setattr__ costs microseconds, three times a unit a step.
     for m, attr, index in state.param_slots:
         m.__dict__[attr] = views[index]
-        if registers:
-            m._parameters[attr] = views[index]
+
+
+# [Note: fully_shard's parameters are registered, not shadowed]
+# The class, as torch's FSDP1, puts each unsharded view in the module's __dict__, where it shadows what is registered.
+# fully_shard, as torch's FSDP2, registers it in ``_parameters`` instead, and nothing else: code that swaps a module's
+# ``_parameters`` entries around a forward then sees its own tensors used (transformers' tensor parallelism runs
+# a no-grad forward of a TP layer on local tensors so, ``_use_local_dtensor_params``), where a view in __dict__ would
+# still be read. The attribute read then goes through nn.Module.__getattr__, a fraction of a microsecond.
 
 
 def after_shard_cast(state: UnitState) -> None:
