@@ -1,10 +1,10 @@
 """fully_shard over parameters that are DTensors already: tensor parallelism beneath FSDP.
 
 [Note: Tensor-parallel parameters]
-torchtitan, accelerate's ParallelismConfig and transformers' ``tp_plan`` shard a block's matrices over a TP mesh
-first (``parallelize_module``: each such parameter a DTensor over the TP mesh, ``Shard(0)`` column-wise,
-``Shard(1)`` row-wise, ``Replicate()`` for a row-wise bias or a norm), then call ``fully_shard(block,
-mesh=world_mesh["dp"])``. As torch's FSDP2 does:
+torchtitan, transformers' ``DistributedConfig(tp_size=..., fsdp_size=...)`` and accelerate's ParallelismConfig shard
+a block's matrices over a TP mesh first (``parallelize_module``: each such parameter a DTensor over the TP mesh,
+``Shard(0)`` column-wise, ``Shard(1)`` row-wise, ``Replicate()`` for a row-wise bias or a norm), then call
+``fully_shard(block, mesh=world_mesh["dp"])``. As torch's FSDP2 does:
 - FSDP shards each such parameter's *local* tensor (this rank's TP part) over the data-parallel mesh, on dim 0 or
   the dim ``shard_placement_fn`` gives (it sees the DTensor, as torch's): ``_fsdp2_config.take_tp_locals`` puts
   the local tensors on the modules in place of the DTensors before the construction, so the layout, the all-gather
