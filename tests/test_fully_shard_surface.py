@@ -249,6 +249,13 @@ def _refusals(rank: int, world_size: int) -> None:
         conv = nn.Conv2d(4, 4, 3)
         conv.weight = nn.Parameter(conv.weight.detach().to(memory_format=torch.channels_last))
         fully_shard(conv)
+    with pytest.raises(NotImplementedError, match=r"parameter 'weight' of Linear is a TwoTensor, a tensor subclass; "
+                                                  r"flatshard's fully_shard shards plain tensors and DTensors only"):
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        wrapped = nn.Linear(2, 2)  # (torchao's float8 / NF4 weights are such subclasses: flattened, they would be lost)
+        wrapped.weight = nn.Parameter(TwoTensor(torch.ones(2, 2), torch.zeros(2, 2)))
+        fully_shard(wrapped)
     with pytest.raises(ValueError, match="fully_shard does not support containers that do not implement forward: "
                                          "ModuleList"):
         fully_shard(fresh().blocks)

@@ -53,11 +53,23 @@ def _mesh_device(mesh: Any) -> torch.device:
 
 
 def check_parameters(module: nn.Module, ignored_params: set[nn.Parameter] | None) -> None:
-    """torch's refusals of a parameter fully_shard would manage, by name: a scalar, a non-contiguous one."""
+    """torch's refusals of a parameter fully_shard would manage, by name: a scalar, a non-contiguous one; and
+    flatshard's own: a tensor subclass other than DTensor (see below)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     ignored = set(ignored_params or ())
     for pname, p in module.named_parameters():
         if p in ignored or getattr(p, OWNER_ATTR, None) is not None:  # (an inner unit's)
             continue
+        inner = p._local_tensor if _is_dtensor(p) else p.data
+        if is_traceable_wrapper_subclass(inner):  # (its values would be flattened into a plain shard: lost silently)
+            extensions = (" with FSDP2's all-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather)"
+                          if hasattr(inner, "fsdp_pre_all_gather") else "")
+            raise NotImplementedError(
+                f"fully_shard: parameter '{pname}' of {type(module).__name__} is a {type(inner).__name__}, a tensor "
+                f"subclass{extensions}; flatshard's fully_shard shards plain tensors and DTensors only, and would lose "
+                f"what the subclass does (torchao's float8 and NF4 weights are such subclasses): use torch's "
+                f"fully_shard for this model, or plain weights.")
         if p.ndim == 0:
             raise ValueError(f"fully_shard doesn't support scalar parameters. Change {pname} to a 1D tensor with numel "
                              f"equal to 1.")
