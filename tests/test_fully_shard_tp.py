@@ -14,6 +14,8 @@ The models:
 - ``stack_accumulated_bf16`` (a micro-batch without gradient sync before each step's) and ``stack_two_forwards`` (two
   forwards a backward): the norm's Partial gradient summed as torch's sums it, and all-reduced over TP once, when the
   unit reduces (see [Note: Partial gradients of tensor-parallel parameters]);
+- ``stack_frozen_norm_bias``: the norm's bias frozen, so that the root unit reduces a trainable prefix, the norm's
+  weight and its Partial gradient in it;
 - ``stack_compiled``: each MLP ``torch.compile``d after ``fully_shard`` (its second MLP, of other widths, compiles
   again: see [Note: Tensor-parallel parameters under torch.compile]);
 - ``stack_matrices_on_dim_1``: the same with ``shard_placement_fn`` sharding each local matrix on dim 1 (torch's
@@ -39,7 +41,8 @@ from models import gpt_loss, local_slice, make_batch, make_gpt
 
 STEPS, LR, VOCAB, SEQ = 3, 1e-2, 67, 10
 CASES_W4 = ["stack_uneven", "stack_checkpointed_kept", "stack_bf16", "stack_meta_to_empty", "stack_hsdp_2x1x2",
-            "stack_matrices_on_dim_1", "stack_compiled", "stack_accumulated_bf16", "stack_two_forwards", "gpt_tp_mlp",
+            "stack_matrices_on_dim_1", "stack_compiled", "stack_accumulated_bf16", "stack_two_forwards",
+            "stack_frozen_norm_bias", "gpt_tp_mlp",
             "dcp_torch_to_flatshard",
             "dcp_flatshard_to_torch", "refusals"]
 CASES_W2 = ["stack_uneven_1x2"]
@@ -56,10 +59,11 @@ class _MLP(nn.Module):
 
 
 class _Stack(nn.Sequential):
-    """torch's MLPStack(dim, with_seq_parallel=True) (torch/testing/_internal/common_fsdp.py)."""
+    """torch's MLPStack(dim, with_seq_parallel=True) (torch/testing/_internal/common_fsdp.py); ``norm_bias``: its
+    LayerNorm with a bias."""
 
-    def __init__(self, dim: int) -> None:
-        super().__init__(_MLP(dim, 3), _MLP(dim, 4), _MLP(dim, 3), nn.LayerNorm(dim, bias=False))
+    def __init__(self, dim: int, norm_bias: bool = False) -> None:
+        super().__init__(_MLP(dim, 3), _MLP(dim, 4), _MLP(dim, 3), nn.LayerNorm(dim, bias=norm_bias))
 
 
 def _fully_shard(impl: str):
@@ -111,8 +115,10 @@ def _build(impl: str, case: str, meshes: dict) -> tuple[nn.Module, int]:
             with torch.device("meta"):
                 model = _Stack(dim)
         else:
-            model = _Stack(dim)
+            model = _Stack(dim, norm_bias="frozen" in case)
         parallelize_module(model, mesh["tp"], _stack_plan())
+        if "frozen" in case:  # (the root unit: a trainable prefix, the norm's Partial weight gradient within it)
+            model[3].bias.requires_grad_(False)
         for module in model:
             if isinstance(module, nn.LayerNorm):
                 continue
@@ -163,7 +169,7 @@ def _train(model: nn.Module, case: str, dp_rank: int, dp_size: int, steps: range
             model.set_requires_gradient_sync(True)
         loss = _loss(model, case, step, dp_rank, dp_size)
         loss.backward()
-        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        grads = [None if p.grad is None else p.grad.to_local().clone() for p in model.parameters()]
         opt.step()
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "params": [p.to_local().detach().clone() for p in model.parameters()],
@@ -194,6 +200,10 @@ def _parity(case: str, meshes: dict) -> list[str]:
         problems.append(f"losses {ours['losses']} != torch's {theirs['losses']}")
     for what in ("grads", "params"):
         for (name, *_), a, b in zip(theirs["specs"], ours[what], theirs[what]):
+            if a is None or b is None:  # (a frozen parameter's gradient)
+                if (a is None) != (b is None):
+                    problems.append(f"{what[:-1]} {name}: {a is None and 'None'} vs torch's {b is None and 'None'}")
+                continue
             if not (a.shape == b.shape and torch.equal(a, b)):
                 diff = f", max |diff| {(a - b).abs().max():.2e}" if a.shape == b.shape else ""
                 problems.append(f"{what[:-1]} {name}: {tuple(a.shape)} vs torch's {tuple(b.shape)}{diff}")

@@ -163,15 +163,20 @@ def reduce(s: UnitState) -> None:
         flat = torch.cat([p.reshape(-1) for p in parts])
         dist.all_reduce(flat, group=s.tp_params[indices[0]].tp_mesh.get_group())
         for i, part in zip(indices, flat.split([p.numel() for p in parts])):
-            _add_into_unsharded(handle.layout, grad, i, part.view(summed[i].shape))
+            _add_into_unsharded(handle, grad, i, part.view(summed[i].shape))
     handle.put_back_unsharded_grad(grad)
     s.root.scheduler.reduce_grad(handle)
 
 
-def _add_into_unsharded(layout: Any, grad: torch.Tensor, index: int, full: torch.Tensor) -> None:
+def _add_into_unsharded(handle: Any, grad: torch.Tensor, index: int, full: torch.Tensor) -> None:
     """``full`` (parameter ``index``'s TP-local gradient) added into its places in the unit's unsharded flat gradient:
-    each data-parallel rank's rows (or chunk along its shard dim) at that rank's shard, at the parameter's offset."""
-    shard_numel, offset, dim = layout.shard_numel, layout.offsets[index], layout.shard_dims[index]
+    each data-parallel rank's rows (or chunk along its shard dim) at that rank's segment, at the parameter's offset.
+    A segment is a rank's shard, or with frozen parameters its trainable prefix (see [Note: Trainable prefix] in
+    csrc/flatshard/flat_param.h: the trainable parameters come first, at the same offsets)."""
+    layout = handle.layout
+    prefix = handle.reduce_prefix
+    segment = prefix if prefix >= 0 and layout.shard_factor > 1 else layout.shard_numel
+    offset, dim = layout.offsets[index], layout.shard_dims[index]
     for r in range(layout.shard_factor):
         if dim == 0:
             rows = layout.rows_of_rank(index, r)
@@ -180,7 +185,7 @@ def _add_into_unsharded(layout: Any, grad: torch.Tensor, index: int, full: torch
             piece = full.narrow(0, r * layout.rows_per_shard(index), rows)
         else:
             piece = full.chunk(layout.shard_factor, dim)[r]
-        grad.narrow(0, r * shard_numel + offset, piece.numel()).view(piece.shape).add_(piece)
+        grad.narrow(0, r * segment + offset, piece.numel()).view(piece.shape).add_(piece)
 
 
 def drop(s: UnitState) -> None:
