@@ -97,6 +97,8 @@ def _forward_method(rank: int, world_size: int) -> dict:
         tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB), rank, world_size)
         with torch.no_grad():
             scores = [model.score(tokens), model.score(tokens)]
+        # (the method ran the root's forward: torch's reshards the root after it, its parameters DTensors again)
+        scores.append([type(p).__name__ for p in model.parameters()])
         loss = gpt_loss(model, tokens, targets)
         loss.backward()
         out[impl] = (scores, loss.item(), [_local(p.grad).clone() for p in model.parameters()])

@@ -114,6 +114,7 @@ def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     s = module._unit_state
     if s.in_forward_method:  # a forward inside a registered method's call: part of it (see [Note: Forward methods])
         s.nested_forwards += 1
+        s.method_ran_forward = True
         return args, kwargs
     stale = s.forward_call
     if stale is not None:  # the last forward ended by a BaseException (KeyboardInterrupt), which skips the hook
@@ -490,8 +491,9 @@ class FSDPModule(TorchFSDPModule):
 # embedding looked up, a head applied, a ``forward_features`` called in place of ``forward``) sees them
 # unsharded, and gets their gradients. flatshard's ``FSDPModule`` answers with the unit's own forward hooks: the
 # method's call is one forward of the unit (lazy init, the root's checks, the parameters gathered as views autograd
-# tracks, resharded after as a forward would be: a root given None keeps them, as torch's), and the forwards the
-# method runs of the module itself are part of that call (``state.in_forward_method``: their hooks pass). A method
+# tracks, resharded after as a forward would be: a root given None keeps them, as torch's, unless the method ran the
+# module's forward, after which torch's reshards them too, as flatshard's does), and the forwards the method runs of
+# the module itself are part of that call (``state.in_forward_method``: their hooks pass). A method
 # called from inside the module's forward is part of that forward. A method that raises leaves the unit in its
 # call, as torch's does: ``reset_iter_state()`` ends it.
 class _ForwardMethodHooks:
@@ -501,6 +503,7 @@ class _ForwardMethodHooks:
             return args, kwargs
         args, kwargs = _pre_forward_hook(module, args, kwargs)
         s.in_forward_method = True
+        s.method_ran_forward = False
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -508,7 +511,12 @@ class _ForwardMethodHooks:
         if not s.in_forward_method or s.nested_forwards:
             return output
         s.in_forward_method = False
-        return _post_forward_hook(module, args, {}, output)
+        output = _post_forward_hook(module, args, {}, output)
+        # (a root given None kept its parameters: after a method that ran the module's forward, torch's reshards them,
+        # its inner forward having set the group idle; the views autograd holds are gathered again before backward)
+        if s.method_ran_forward and not s.placeholders_set and _runtime.frees_after_forward(s):
+            _runtime.reshard(s, after_forward=True)
+        return output
 
 
 for _name in _NOT_YET:

@@ -535,7 +535,7 @@ def _prefetch(root: RootState, units: list[UnitState]) -> None:
             root.scheduler.unshard(t.handle)
 
 
-def _frees_after_forward(s: UnitState) -> bool:
+def frees_after_forward(s: UnitState) -> bool:
     """Whether a unit's forward (or its rerun in the whole model's recomputation) ends by resharding: its
     strategy reshards after forward, no_sync(keep_parameters_unsharded=True) does not hold it, and there is
     something to free (a replicated unit keeps its views for backward)."""
@@ -546,7 +546,7 @@ def reshards_after_forward(s: UnitState) -> bool:
     """Whether a forward of the unit ends by freeing its parameters (the root keeps them for the backward that
     starts there, unless its front-end says otherwise); also what a registered forward method ends with (see
     [Note: Forward methods] in _fully_shard.py)."""
-    return _frees_after_forward(s) and (not s.is_root or s.config.root_reshards_after_forward)
+    return frees_after_forward(s) and (not s.is_root or s.config.root_reshards_after_forward)
 
 
 def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any, output: Any) -> Any:
@@ -651,7 +651,7 @@ def _end_recompute(s: UnitState, output: Any, raised: bool) -> Any:
     if s.is_root:
         root.recomputing = False
         return output
-    if not raised and root.recomputing and _frees_after_forward(s):
+    if not raised and root.recomputing and frees_after_forward(s):
         # Rerunning the whole model must not hold every unit unsharded at once: reshard as
         # the first forward did. Before any of this unit's backward runs, its pre-backward
         # gathers it again, through the hook of its first forward (non-reentrant
@@ -749,7 +749,7 @@ def _gather_for_inner_backward(s: UnitState) -> None:
     views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set)
     if views is not None:
         hand_out_views(s, views)
-    if not torch.is_grad_enabled() and _frees_after_forward(s):
+    if not torch.is_grad_enabled() and frees_after_forward(s):
         # Without create_graph no graph keeps the views: the unit is freed when that backward ends (else every unit
         # it ran through would stay gathered at once).
         root = s.root

@@ -133,6 +133,7 @@ class UnitState:
         "in_forward_method",  # fully_shard: inside a method torch's register_fsdp_forward_method wraps (see [Note:
         # Forward methods] in _fully_shard.py), whose own forwards are part of its call
         "nested_forwards",  # how many of those forwards are running now
+        "method_ran_forward",  # whether one ran during the method's call (the root then reshards after it, as torch's)
         "dim0_rows",  # fully_shard: where each parameter's rows are in the shard (_dtensor_params._rows)
         "tp_params",  # fully_shard: {index: _tensor_parallel.TPParam} of the parameters that were DTensors over a TP
         # mesh (see [Note: Tensor-parallel parameters]); before the construction, keyed by id of their local parameter
@@ -162,6 +163,7 @@ class UnitState:
         self.config = config
         self.in_forward_method = False
         self.nested_forwards = 0
+        self.method_ran_forward = False
         self.forward_prefetch_to: list[UnitState] | None = None
         self.backward_prefetch_to: list[UnitState] | None = None
 
