@@ -35,7 +35,7 @@ from fsbench.trace import TraceConfig, run_trace  # noqa: E402
 from fsbench.workloads import CollectivesConfig, TrainConfig, run_collectives, run_training  # noqa: E402
 
 WORKLOADS = ("gpt", "many-small-units", "collectives", "memory", "gpt-bf16")
-GPU_WORKLOADS = ("gpt-large", "limiter")  # CUDA only: too large for the CPU runs
+GPU_WORKLOADS = ("gpt-large", "gpt-large-bf16", "limiter")  # CUDA only: too large for the CPU runs
 
 # Global batches: gpt 8 sequences x 64 tokens; many-small-units 16 samples of 16 features.
 FULL = {
@@ -53,6 +53,9 @@ FULL = {
     # 4 sequences x 1024 tokens, TF32 matrix products (float32 training as run on GPUs).
     "gpt-large": TrainConfig("gpt-large", 4, Plan(warmup=2, rounds=10, steps_per_block=5, drop_per_block=1),
                              tf32=True),
+    # The same in bf16 mixed precision (see [Note: bf16 peers] in fsbench/peers.py).
+    "gpt-large-bf16": TrainConfig("gpt-large", 4, Plan(warmup=2, rounds=10, steps_per_block=5, drop_per_block=1),
+                                  tf32=True, precision="bf16"),
     "limiter": LimiterConfig(),
 }
 QUICK = {
@@ -66,6 +69,8 @@ QUICK = {
     "bf16_memory_world_sizes": (2,),
     "gpt-large": TrainConfig("gpt-large", 4, Plan(warmup=1, rounds=2, steps_per_block=2, drop_per_block=1),
                              tf32=True),
+    "gpt-large-bf16": TrainConfig("gpt-large", 4, Plan(warmup=1, rounds=2, steps_per_block=2, drop_per_block=1),
+                                  tf32=True, precision="bf16"),
     "limiter": LimiterConfig(steps=2),
 }
 
@@ -118,8 +123,9 @@ def main() -> int:
     results: dict = {"meta": _meta(device, args.quick), "timing": {}, "memory": {}, "memory_bf16": {}}
     for w in timing_world_sizes:
         tasks = [(wl, run_training, cfg[wl]) for wl in ("gpt", "many-small-units", "gpt-bf16") if wl in selected]
-        if "gpt-large" in selected and w == 1:
-            tasks.append(("gpt-large", run_training, cfg["gpt-large"]))
+        for wl in ("gpt-large", "gpt-large-bf16"):
+            if wl in selected and w == 1:
+                tasks.append((wl, run_training, cfg[wl]))
         if "collectives" in selected and w == timing_world_sizes[0]:
             tasks.append(("collectives", run_collectives, cfg["collectives"]))
         if not tasks:

@@ -114,14 +114,16 @@ def headline(results: dict) -> list[tuple[str, str]]:
                              f"{max(mine, 0):.0f} µs / {theirs_above:.0f} µs"
                              + (f" = {_ratio(max(mine, 0), theirs_above)}" if theirs_above > 0 else "")
                              + (f" ({-mine:.0f} µs under the collectives alone: overlapped)" if mine < 0 else "")))
-    large = timing.get("1", {}).get("gpt-large")
-    if large is not None:
+    for name in ("gpt-large", "gpt-large-bf16"):
+        large = timing.get("1", {}).get(name)
+        if large is None:
+            continue
         fs = _median(large, "flatshard")
         for peer in ("local", "fsdp2", "fsdp1"):
-            rows.append((f"`gpt-large` W=1: flatshard step time / {LABELS[peer]}",
+            rows.append((f"`{name}` W=1: flatshard step time / {LABELS[peer]}",
                          _ratio(fs, _median(large, peer)) if fs and _median(large, peer) else _failed(large, peer)))
         for peer in ("local", "fsdp2"):
-            rows.append((f"`gpt-large` W=1: flatshard peak memory / {LABELS[peer]}",
+            rows.append((f"`{name}` W=1: flatshard peak memory / {LABELS[peer]}",
                          _ratio(_peak(large, "flatshard"), _peak(large, peer))))
     for key, what in (("memory", "`gpt`"), ("memory_bf16", "`gpt-bf16`")):
         ws, mem = memory_rows(results, key)
