@@ -15,6 +15,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_NCCL_AVOID_RECORD_STREAMS=1 FLATSHARD_CPP_TESTS=0
+# The machine's CXX (/opt/gcc/bin/g++) links libstdc++ statically, which CMakeLists.txt refuses (see [Note: One
+# libstdc++ with torch]); a build directory configured with it keeps it in its cache, so it goes first.
+export CXX=/usr/bin/c++ CC=/usr/bin/cc
+rm -rf build/cp312-cp312-linux_x86_64
+# Quick path, as run on 2026-11-28 (no network there: scripts/test.sh would try to install the frameworks):
+#   python3 -m pip install --no-build-isolation --no-deps -q .
+#   python3 -m pytest tests/test_gpu.py tests/test_gpu_overlap.py tests/test_gpu_memory.py -m gpu -q -rA
+#   python3 benchmarks/run.py --device cuda --workloads gpt-large-bf16,gpt-large --no-publish --out /tmp/b
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
   echo "commit ${FLATSHARD_COMMIT:-unknown (set FLATSHARD_COMMIT)}"; date -u; } >"$out/device.txt" 2>&1
