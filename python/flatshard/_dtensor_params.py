@@ -65,8 +65,12 @@ def local_views(s: UnitState, flat: torch.Tensor) -> list[torch.Tensor]:
 
 def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
     """``local`` as this rank's part of parameter ``index``, a DTensor of ``shape``: ``Shard(d)`` on its shard dim
-    (0 unless shard_placement_fn said otherwise), and ``Replicate()`` over HSDP's first mesh dim."""
+    (0 unless shard_placement_fn said otherwise), and ``Replicate()`` over HSDP's first mesh dim. Built on ``local``
+    itself, wherever it is: ``DTensor.from_local`` would copy a host shard (CPUOffloadPolicy, move_shards_to_host) to
+    the mesh's device, so that the parameter would no longer be the shard (seen on a GPU, 2026-11-28); torch's FSDP2
+    builds its host DTensors the same way."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     tp = s.tp_params.get(index)
     if tp is not None:  # (see [Note: Tensor-parallel parameters] in _tensor_parallel.py)
@@ -75,9 +79,9 @@ def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int])
         mesh = s.config.mesh
         dim = _rows(s)[index][3]
         placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
+    meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), local.dtype)
     with torch.no_grad():
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                                  stride=torch.empty(shape, device="meta").stride())
+        return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
 def init(s: UnitState, params: list[nn.Parameter]) -> None:
