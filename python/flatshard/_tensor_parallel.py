@@ -172,7 +172,9 @@ def _add_into_unsharded(handle: Any, grad: torch.Tensor, index: int, full: torch
     """``full`` (parameter ``index``'s TP-local gradient) added into its places in the unit's unsharded flat gradient:
     each data-parallel rank's rows (or chunk along its shard dim) at that rank's segment, at the parameter's offset.
     A segment is a rank's shard, or with frozen parameters its trainable prefix (see [Note: Trainable prefix] in
-    csrc/flatshard/flat_param.h: the trainable parameters come first, at the same offsets)."""
+    csrc/flatshard/flat_param.h: the trainable parameters come first, at the same offsets). (The C++
+    ``accumulate_grad`` lays gradients out so too, but into the param-dtype sum of the current backward: an
+    accumulation across micro-batches, all-reduced in the reduce dtype, must land in the reduce-dtype sum unrounded.)"""
     layout = handle.layout
     prefix = handle.reduce_prefix
     segment = prefix if prefix >= 0 and layout.shard_factor > 1 else layout.shard_numel
