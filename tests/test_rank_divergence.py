@@ -371,6 +371,9 @@ def _backward_skipped_on_one_rank_with_a_reduce_scatter_group(rank, world_size):
     import os
 
     os.environ["FLATSHARD_RANK_GUARD"] = "strict"
+    # One all-gather and one reduce-scatter per unit, so that the ranks meet at the reduce-scatter (gathered together,
+    # rank 0's backward group of blocks.0 and the root meets rank 1's root alone at an all-gather's check instead).
+    os.environ["FLATSHARD_GATHER_TOGETHER_BYTES"] = "0"
     from flatshard import RankDivergenceError, fully_shard
 
     model = make_gpt(seed=0)

@@ -248,6 +248,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("handle"), py::arg("grads"), py::arg("reduce"), py::arg("uses_done"), py::arg("reshard"),
           py::arg("prefetch") = nullptr,
           "Scheduler::post_backward, then issues `prefetch`'s all-gather (a no-op unless it is sharded).")
+      .def("unshard_together", &Scheduler::unshard_together, py::arg("handles"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property("coalesce_bytes", &Scheduler::coalesce_bytes, &Scheduler::set_coalesce_bytes)
       .def(
           "count_sharded",
           [](const Scheduler&, const std::vector<FlatParamHandle*>& handles) {

@@ -1,6 +1,8 @@
 #include "flatshard/collectives.h"
 
 #include <ATen/core/ivalue.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/version.h>
@@ -381,6 +383,41 @@ CommWork Collectives::all_gather(at::Tensor& output, at::Tensor& input) {
   return is_cpu_gloo(output.device()) ? track_future(work->getFuture()) : track_work(std::move(work));
 }
 
+CommWork Collectives::all_gather_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs) {
+  TORCH_INTERNAL_ASSERT(!inputs.empty() && outputs.size() == inputs.size());
+  if (inputs.size() == 1) return all_gather(outputs.front(), inputs.front());
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(outputs[i].numel() == inputs[i].numel() * size() &&
+                          inputs[i].scalar_type() == inputs.front().scalar_type());
+    impl_->count(CollectiveKind::kAllGather, inputs[i]);
+  }
+  if (is_cpu_gloo(outputs.front().device()) && size() == 2) {  // see [Note: Two gloo ranks exchange halves]
+    // One exchange of the shards end to end; each unit's rows filled from it once it completed.
+    std::vector<at::Tensor> flat;
+    flat.reserve(inputs.size());
+    for (const at::Tensor& input : inputs) flat.push_back(input.view(-1));
+    at::Tensor sent = at::cat(flat);
+    at::Tensor received = at::empty_like(sent);
+    const std::int64_t me = rank();
+    return exchange_with_peer(*impl_->group, me, received, sent, [outputs, flat = std::move(flat), received, me] {
+      std::int64_t offset = 0;
+      for (std::size_t i = 0; i < flat.size(); ++i) {
+        const std::int64_t n = flat[i].numel();
+        at::Tensor rows = outputs[i].view({2, n});
+        rows.select(0, me).copy_(flat[i]);
+        rows.select(0, 1 - me).copy_(received.narrow(0, offset, n));
+        offset += n;
+      }
+    });
+  }
+#if FLATSHARD_C10D_SINGLE_NAMES
+  auto work = impl_->group->all_gather_single_coalesced(outputs, inputs);
+#else
+  auto work = impl_->group->allgather_into_tensor_coalesced(outputs, inputs);
+#endif
+  return is_cpu_gloo(outputs.front().device()) ? track_future(work->getFuture()) : track_work(std::move(work));
+}
+
 CommWork Collectives::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) {
   TORCH_INTERNAL_ASSERT(input.numel() == output.numel() * size());
   impl_->count(CollectiveKind::kReduceScatter, input);
@@ -414,6 +451,40 @@ CommWork Collectives::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) 
   opts.reduceOp = c10d::ReduceOp::SUM;
   if (without_backends()) return track_work(reduce_scatter_one_coalesced(*impl_->group, output, input, opts));
   return track_work(reduce_scatter_single(*impl_->group, output, input, opts));
+}
+
+bool Collectives::reduce_scatters_together_exactly(const c10::Device& device) const {
+  return is_cpu_gloo(device) && size() == 2;
+}
+
+CommWork Collectives::reduce_scatter_sum_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs) {
+  TORCH_INTERNAL_ASSERT(!inputs.empty() && outputs.size() == inputs.size() &&
+                        reduce_scatters_together_exactly(outputs.front().device()));
+  if (inputs.size() == 1) return reduce_scatter_sum(outputs.front(), inputs.front());
+  // See [Note: Two gloo ranks exchange halves]: the peer's halves of every gradient end to end in one exchange;
+  // each output is then what reduce_scatter_sum makes of its pair alone (the peer's half, plus this rank's).
+  const std::int64_t me = rank();
+  std::vector<at::Tensor> theirs, mine;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(inputs[i].numel() == outputs[i].numel() * 2 &&
+                          inputs[i].scalar_type() == inputs.front().scalar_type());
+    impl_->count(CollectiveKind::kReduceScatter, inputs[i]);
+    at::Tensor rows = inputs[i].view({2, outputs[i].numel()});
+    theirs.push_back(rows.select(0, 1 - me));
+    mine.push_back(rows.select(0, me));
+  }
+  at::Tensor sent = at::cat(theirs);
+  at::Tensor received = at::empty_like(sent);
+  return exchange_with_peer(*impl_->group, me, received, sent, [outputs, mine = std::move(mine), received] {
+    std::int64_t offset = 0;
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      const std::int64_t n = mine[i].numel();
+      at::Tensor out = outputs[i].view(-1);
+      out.copy_(received.narrow(0, offset, n));
+      out.add_(mine[i]);
+      offset += n;
+    }
+  });
 }
 
 CommWork Collectives::all_reduce_sum(at::Tensor& tensor) {

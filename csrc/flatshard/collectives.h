@@ -125,6 +125,10 @@ class Collectives {
   // Every rank's `input` (same numel) into `output` (size() * input.numel()),
   // rank-major, on the current stream. Non-blocking.
   CommWork all_gather(at::Tensor& output, at::Tensor& input);
+  // all_gather of every (outputs[i], inputs[i]) pair as one collective (see [Note: Small units gathered together]
+  // in scheduler.h): one exchange on two gloo ranks, c10d's coalesced all-gather elsewhere (gloo: one
+  // collective; NCCL: one group). Every input of one dtype. Counted as one all-gather per pair. Non-blocking.
+  CommWork all_gather_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs);
   // SUM over ranks of `input` (size() * output.numel()), chunk r to rank r.
   // Non-blocking. Callers divide explicitly: gloo's AVG is not trustworthy here.
   CommWork reduce_scatter_sum(at::Tensor& output, at::Tensor& input);
@@ -133,6 +137,15 @@ class Collectives {
   // reduce_scatter_sum returns (gloo: see [Note: gloo's temporaries]). The
   // input's contents are undefined afterwards either way.
   bool holds_reduce_scatter_input(const c10::Device& device) const;
+  // Whether reduce_scatter_sum_coalesced sums every element as reduce_scatter_sum of its pair alone would, bit for
+  // bit, on `device`: two gloo ranks (one exchange; a sum of two is the same whichever comes first). Elsewhere a
+  // reduction of the pairs end to end could add in another order (gloo's ring all-reduce splits the buffer by size),
+  // so callers reduce them one by one there.
+  bool reduce_scatters_together_exactly(const c10::Device& device) const;
+  // reduce_scatter_sum of every (outputs[i], inputs[i]) pair in one exchange; only where
+  // reduce_scatters_together_exactly. Counted as one reduce-scatter per pair. Non-blocking; the inputs need not be
+  // kept (as holds_reduce_scatter_input).
+  CommWork reduce_scatter_sum_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs);
   // SUM over ranks, in place. Non-blocking.
   CommWork all_reduce_sum(at::Tensor& tensor);
 

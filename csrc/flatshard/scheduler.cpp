@@ -201,6 +201,70 @@ void Scheduler::unshard(FlatParamHandle& unit) {
   unit.set_state(ShardedState::kUnsharding);
 }
 
+void Scheduler::set_coalesce_bytes(std::int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "flatshard: units gathered together up to ", bytes, " bytes: expected 0 or more");
+  coalesce_bytes_ = bytes;
+}
+
+bool Scheduler::joins_group(const FlatParamHandle& unit, const FlatParamHandle& first) const {
+  return unit.state() == ShardedState::kSharded && !unit.is_replicated() && !unit.has_post_forward_shard() &&
+         unit.group_index() == first.group_index() && unit.param_dtype() == first.param_dtype() &&
+         unit.compute_device() == first.compute_device();
+}
+
+std::int64_t Scheduler::unshard_together(const std::vector<FlatParamHandle*>& units) {
+  if (units.empty()) return 0;
+  FlatParamHandle& first = *units.front();
+  if (first.state() != ShardedState::kSharded) return 0;
+  // See [Note: Small units gathered together].
+  std::vector<FlatParamHandle*> group;
+  std::int64_t bytes = 0;
+  for (FlatParamHandle* unit : units) {
+    if (coalesce_bytes_ == 0 || !joins_group(*unit, first) ||
+        std::find(group.begin(), group.end(), unit) != group.end()) {
+      break;
+    }
+    bytes += unit->layout().padded_numel() * static_cast<std::int64_t>(c10::elementSize(unit->param_dtype()));
+    if (bytes > coalesce_bytes_) break;
+    group.push_back(unit);
+  }
+  if (group.size() < 2) {
+    unshard(first);
+    return 1;
+  }
+  reap_completed_reductions();
+  if (limiter_.would_block()) {
+    RECORD_USER_SCOPE(kRateLimitWait);
+    limiter_.acquire();
+  }
+  RECORD_USER_SCOPE(first.all_gather_range());
+  const c10::Stream compute = current_stream();
+  stream_wait(all_gather_stream_, compute);
+  c10::StreamGuard stream_guard(all_gather_stream_);
+  std::vector<at::Tensor> outputs, inputs;
+  for (FlatParamHandle* unit : group) {
+    unit->alloc_unsharded();
+    outputs.push_back(unit->all_gather_target());
+    inputs.push_back(unit->all_gather_input());
+  }
+  Collectives& collectives = groups_of(first).shard;
+  std::size_t input_bytes = 0;
+  for (const at::Tensor& input : inputs) input_bytes += input.nbytes();
+  check_sequence(collectives, first, "all_gather together with the next units", input_bytes);
+  for (std::size_t i = 0; i < group.size(); ++i) {
+    group[i]->count_collective(FlatParamHandle::kGathered, static_cast<std::int64_t>(inputs[i].nbytes()));
+  }
+  auto work = std::make_shared<CommWork>(collectives.all_gather_coalesced(outputs, inputs));
+  if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
+  auto left = std::make_shared<std::int64_t>(static_cast<std::int64_t>(group.size()));
+  for (FlatParamHandle* unit : group) {
+    all_gathers_[unit] = work;
+    if (has_events_) gathered_together_[unit] = left;
+    unit->set_state(ShardedState::kUnsharding);
+  }
+  return static_cast<std::int64_t>(group.size());
+}
+
 void Scheduler::wait_for_unshard(FlatParamHandle& unit) {
   if (unit.state() == ShardedState::kUnsharded) return;
   if (unit.state() == ShardedState::kSharded) unshard(unit);
@@ -253,6 +317,12 @@ void Scheduler::reshard(FlatParamHandle& unit, bool after_forward) {
   }
   unit.free_unsharded();
   unit.set_state(ShardedState::kSharded);
+  if (auto it = gathered_together_.find(&unit); it != gathered_together_.end()) {
+    // See [Note: Small units gathered together]: one fence for the group, at its last unit's reshard.
+    const bool last = --*it->second == 0;
+    gathered_together_.erase(it);
+    if (!last) return;
+  }
   if (has_events_) {
     c10::Event event(device_.type());
     event.record(current_stream());
@@ -261,13 +331,70 @@ void Scheduler::reshard(FlatParamHandle& unit, bool after_forward) {
 }
 
 void Scheduler::reduce_grad(FlatParamHandle& unit) {
+  at::Tensor flat_grad = unit.take_unsharded_grad();
+  // See [Note: Small units reduced together].
+  if (can_defer_reduction(unit, flat_grad)) {
+    if (!deferred_.empty() && (deferred_.front().unit->group_index() != unit.group_index() ||
+                               deferred_.front().flat_grad.scalar_type() != flat_grad.scalar_type() ||
+                               deferred_bytes_ + static_cast<std::int64_t>(flat_grad.nbytes()) > coalesce_bytes_)) {
+      reduce_deferred();
+    }
+    deferred_bytes_ += static_cast<std::int64_t>(flat_grad.nbytes());
+    deferred_.push_back(DeferredReduction{&unit, std::move(flat_grad)});
+    if (deferred_.size() == kMaxReducedTogether) reduce_deferred();
+    return;
+  }
+  reduce_deferred();
+  issue_reduction(unit, std::move(flat_grad));
+}
+
+bool Scheduler::can_defer_reduction(FlatParamHandle& unit, const at::Tensor& flat_grad) {
+  return coalesce_bytes_ > 0 && flat_grad.defined() && !unit.is_replicated() && !unit.all_reduce_replicas() &&
+         !unit.all_reduce_hook() && unit.reduce_prefix() < 0 &&
+         static_cast<std::int64_t>(flat_grad.nbytes()) <= coalesce_bytes_ &&
+         groups_of(unit).scatter().reduce_scatters_together_exactly(flat_grad.device());
+}
+
+void Scheduler::reduce_deferred() {
+  if (deferred_.empty()) return;
+  std::vector<DeferredReduction> deferred = std::move(deferred_);
+  deferred_.clear();
+  deferred_bytes_ = 0;
+  if (deferred.size() == 1) {
+    issue_reduction(*deferred.front().unit, std::move(deferred.front().flat_grad));
+    return;
+  }
+  FlatParamHandle& first = *deferred.front().unit;
+  make_room_for_reduction();  // see [Note: Reductions in flight]
+  const c10::Stream compute = current_stream();
+  stream_wait(reduce_scatter_stream_, compute);
+  c10::StreamGuard stream_guard(reduce_scatter_stream_);
+  RECORD_USER_SCOPE(first.reduce_scatter_range());
+  std::vector<at::Tensor> outputs, inputs;
+  std::size_t bytes = 0;
+  for (DeferredReduction& d : deferred) {
+    if (d.unit->predivide() != 1.0) d.flat_grad.div_(d.unit->predivide());
+    outputs.push_back(at::empty({d.flat_grad.numel() / d.unit->layout().shard_factor()}, d.flat_grad.options()));
+    inputs.push_back(d.flat_grad);
+    bytes += d.flat_grad.nbytes();
+    d.unit->count_collective(FlatParamHandle::kReduceScattered, static_cast<std::int64_t>(d.flat_grad.nbytes()));
+  }
+  GroupPair& groups = groups_of(first);
+  check_sequence(groups.shard, first, "reduce_scatter together with the previous units", bytes);
+  PendingReduction record{&first, at::Tensor(), outputs.front(), CommWork(), CommWork()};
+  record.shard_work = groups.scatter().reduce_scatter_sum_coalesced(outputs, inputs);
+  for (std::size_t i = 1; i < deferred.size(); ++i) record.together.emplace_back(deferred[i].unit, outputs[i]);
+  reductions_.push_back(std::move(record));
+}
+
+void Scheduler::issue_reduction(FlatParamHandle& unit, at::Tensor flat_grad) {
   const double predivide = unit.predivide();
   const bool all_reduce_replicas = unit.all_reduce_replicas();
   GroupPair& groups = groups_of(unit);
   TORCH_CHECK(!all_reduce_replicas || groups.replicate.has_value(), "flatshard: unit '", unit.name(),
               "' asks for a replica all-reduce but the scheduler has no replicate group");
   make_room_for_reduction();  // see [Note: Reductions in flight]
-  PendingReduction record{&unit, unit.take_unsharded_grad(), at::Tensor(), CommWork(), CommWork()};
+  PendingReduction record{&unit, std::move(flat_grad), at::Tensor(), CommWork(), CommWork()};
   const c10::Stream compute = current_stream();
   stream_wait(reduce_scatter_stream_, compute);
   c10::StreamGuard stream_guard(reduce_scatter_stream_);
@@ -343,6 +470,11 @@ void Scheduler::complete_shard_reduction() {
   // go back to its pool (no record_stream).
   stream_wait(current_stream(), reduce_scatter_stream_);
   record.flat_grad = at::Tensor();  // (replicated: the output is the same tensor and lives on)
+  // The units reduced in the same collective (see [Note: Small units reduced together]): none needs a replica stage.
+  for (auto& [unit, grad_shard] : record.together) {
+    finish_reduction(PendingReduction{unit, at::Tensor(), std::move(grad_shard), CommWork(), CommWork()});
+  }
+  record.together.clear();
   std::optional<Collectives>& replicate = groups_of(*record.unit).replicate;
   // (A replicate group of one rank is HSDP still: its micro-batches wait for the all-reduce's, which moves nothing.)
   if (record.unit->all_reduce_replicas()) {
@@ -439,6 +571,7 @@ at::Tensor Scheduler::gather_full_precision(FlatParamHandle& unit) {
 }
 
 void Scheduler::finish_grad_sync() {
+  reduce_deferred();
   if (reductions_.empty() && replica_reductions_.empty() && offloaded_.empty()) return;
   RECORD_USER_SCOPE("flatshard::finish_grad_sync");
   while (!reductions_.empty()) complete_shard_reduction();
@@ -512,6 +645,8 @@ std::pair<bool, bool> Scheduler::drain(double timeout_seconds) {
 }
 
 void Scheduler::abort_grad_sync() {
+  deferred_.clear();  // never issued: dropped as the unsharded gradients are
+  deferred_bytes_ = 0;
   for (auto* queue : {&reductions_, &replica_reductions_}) {
     for (PendingReduction& record : *queue) {
       wait_for(record.shard_work, *record.unit, "gradient reduction");

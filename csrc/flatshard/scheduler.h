@@ -104,6 +104,24 @@ class Scheduler {
   // pre-forward); a replicated unit (shard factor 1) just becomes unsharded.
   // May block in the rate limiter (see [Note: Rate limiter]).
   void unshard(FlatParamHandle& unit);
+  // [Note: Small units gathered together]
+  // Every collective costs the backend's latency however few bytes it moves (on gloo between two processes here,
+  // about 0.5 ms), so a model of many small units spends its step waiting on latencies: each unit is all-gathered
+  // in forward and again in backward. Where a unit's all-gather is prefetched, the units that will run after it
+  // (in the learned forward order, or the backward's) can come along: unshard_together gathers `units[0]` and
+  // the run of units after it that are sharded, alike (the same group pair and all-gather dtype, not replicated,
+  // not holding a post-forward shard) and small (their unsharded bytes together at most coalesce_bytes()), in one
+  // collective, each into its own unsharded buffer. Nothing else changes: each unit is waited for, copied out,
+  // resharded and reduced as alone, and its buffer is only allocated earlier, by up to coalesce_bytes() in all.
+  // The rate limiter counts the group as one all-gather (one fence: the collective's completion on the CPU,
+  // the reshard of the group's last unit on devices with events). Ranks choose the same groups: the units'
+  // states and sizes are the same everywhere. A no-op unless `units[0]` is sharded (a prefetch of a unit whose
+  // gather is in flight); with coalesce_bytes() == 0 (the default) or no second unit to take, unshard(units[0]).
+  // Returns how many units, from `units[0]` on, it gathered (0, 1 or more). The front-end chooses the candidates
+  // and the bytes (python/flatshard/_runtime.py's _gather_group).
+  std::int64_t unshard_together(const std::vector<FlatParamHandle*>& units);
+  void set_coalesce_bytes(std::int64_t bytes);
+  std::int64_t coalesce_bytes() const { return coalesce_bytes_; }
   // Makes the unsharded buffer usable on the current stream: blocks the host
   // until the all-gather completes (CPU), or makes the current stream wait
   // (devices with events). Issues the all-gather first if it was not. Safe to
@@ -126,6 +144,10 @@ class Scheduler {
   // max_reductions_in_flight() are pending, which may block.
   // The divide factors and the replica all-reduce are the unit's own
   // (FlatParamOptions).
+  // Where the reduce-scatters of small units can go together exactly (Collectives::reduce_scatters_together_exactly)
+  // and coalesce_bytes() > 0, a small unit's reduce-scatter waits for the next ones' instead, and they go in one
+  // exchange once their gradients come to coalesce_bytes(), at a unit that cannot join them, or at
+  // finish_grad_sync (see [Note: Small units reduced together]).
   void reduce_grad(FlatParamHandle& unit);
   // A unit's post-backward in one call: with `reshard_unit`, reshards it
   // first; accumulates `grads` (one per original parameter, undefined for
@@ -196,7 +218,28 @@ class Scheduler {
     CommWork shard_work;    // reduce-scatter (or all-reduce) over the shard group
     CommWork replica_work;  // all-reduce over the replicate group
     bool prefix_only = false;  // flat_grad is the trainable prefix, all-reduced (see [Note: Trainable prefix])
+    // Reduced in the same collective (see [Note: Small units reduced together]): each unit and its gradient shard.
+    std::vector<std::pair<FlatParamHandle*, at::Tensor>> together;
   };
+  // [Note: Small units reduced together]
+  // The reduce-scatter's half of [Note: Small units gathered together]: a unit's reduction that could join others
+  // (coalesce_bytes() > 0; no replica all-reduce, all-reduce hook or trainable prefix; sharded; its gradient at most
+  // coalesce_bytes(); a group whose reduce-scatters go together exactly) is deferred, its unsharded gradient held,
+  // and the deferred ones of one group pair and dtype go in one collective when they reach coalesce_bytes() or
+  // kMaxReducedTogether units, before any reduction that cannot join them (so every rank issues the same
+  // collectives in the same order), and at finish_grad_sync. Each unit's gradient shard is what its own
+  // reduce-scatter would have made; it reaches `.grad` as one would, when the collective is completed. The record
+  // in flight is one, for the group: the first unit's, with the others in `together`.
+  static constexpr std::size_t kMaxReducedTogether = 16;
+  struct DeferredReduction {
+    FlatParamHandle* unit;
+    at::Tensor flat_grad;
+  };
+  std::vector<DeferredReduction> deferred_;
+  std::int64_t deferred_bytes_ = 0;
+  bool can_defer_reduction(FlatParamHandle& unit, const at::Tensor& flat_grad);
+  void reduce_deferred();
+  void issue_reduction(FlatParamHandle& unit, at::Tensor flat_grad);
 
   // Completes, without blocking, the reductions whose collectives are done, so
   // their buffers go as early as the host notices (on gloo the input is gone
@@ -235,6 +278,11 @@ class Scheduler {
   RateLimiter limiter_;
   // Shared so that the limiter's fences can watch them weakly.
   std::unordered_map<const FlatParamHandle*, std::shared_ptr<CommWork>> all_gathers_;
+  // See [Note: Small units gathered together]: a gathered group's units not yet resharded (devices with events:
+  // the group's free fence is recorded at the last one's reshard), shared by the group's units.
+  std::unordered_map<const FlatParamHandle*, std::shared_ptr<std::int64_t>> gathered_together_;
+  bool joins_group(const FlatParamHandle& unit, const FlatParamHandle& first) const;
+  std::int64_t coalesce_bytes_ = 0;
   // Completes the oldest shard-group reductions until fewer than max_reductions_in_flight_ are pending.
   void make_room_for_reduction();
   std::int64_t max_reductions_in_flight_ = 1;

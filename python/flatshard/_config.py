@@ -83,3 +83,7 @@ class UnitConfig:
     # whether torch's FSDP2 divides inside its collectives here (fp32 and bf16, summing not forced): where fully_shard's
     # all-reduce hook sees the shard (see [Note: The all-reduce hook] in csrc/flatshard/flat_param.h)
     divides_in_collectives: bool = True
+    # A prefetch gathers the units after its own together with it, in one collective, while their unsharded bytes
+    # sum to at most this (0: never; the root's value holds for its units): see [Note: Small units gathered
+    # together] in csrc/flatshard/scheduler.h
+    gather_together_bytes: int = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 from typing import Any, Callable
 
@@ -44,6 +45,35 @@ def default_mesh() -> Any:
 # forward_prefetch), which holds what FSDP2 holds on a GPU: the unit computing and the next one. On a GPU mesh it
 # does not (the host's run-ahead already gives that overlap). ``set_modules_to_forward_prefetch`` replaces it, as
 # it replaces torch's implicit order; an empty list turns it off.
+
+
+# [Note: fully_shard gathers small units together]
+# torch's FSDP2 issues one all-gather per unit, so a model of many small units (a block per layer of a narrow model,
+# each norm or embedding a unit of its own) waits one collective latency per unit, twice per step, whatever the
+# bytes. fully_shard's implicit prefetch (forward on a CPU mesh, backward everywhere) takes the units that run next
+# along in the prefetched one's collective while their unsharded parameters come to at most
+# GATHER_TOGETHER_BYTES in all ([Note: Gathering small units together] in _runtime.py): what users see is unchanged
+# (the same parameters, gradients and order of reductions; each unit still reshards after its own forward and
+# backward), and what is held unsharded grows by at most that many bytes, a fraction of one unit of any model big
+# enough to shard. The environment variable FLATSHARD_GATHER_TOGETHER_BYTES sets it for the units fully_shard makes
+# afterwards (0: one all-gather per unit, as torch's).
+GATHER_TOGETHER_BYTES = 256 * 1024
+
+
+def gather_together_bytes() -> int:
+    """See [Note: fully_shard gathers small units together]."""
+    text = os.environ.get("FLATSHARD_GATHER_TOGETHER_BYTES")
+    if text is None:
+        return GATHER_TOGETHER_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"FLATSHARD_GATHER_TOGETHER_BYTES={text!r}: expected a number of bytes, 0 or more (0: one "
+                         f"all-gather per unit); it is how many unsharded bytes of small units fully_shard gathers "
+                         f"in one collective (default {GATHER_TOGETHER_BYTES}).")
+    return value
 
 
 def _mesh_device(mesh: Any) -> torch.device:
@@ -226,6 +256,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=mesh.device_type == "cpu",
         limit_all_gathers=True,
+        gather_together_bytes=gather_together_bytes(),
         mixed_precision=mp,
         # CPUOffloadPolicy: the shards, their gradients and the optimizer's step on the host; each all-gather
         # copies the shard to the device first (see [Note: Mixed precision and offload] in flat_param.h).

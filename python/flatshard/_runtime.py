@@ -71,7 +71,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -142,6 +142,7 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
     for _, unit in units:
         assign_groups(root_state, unit._unit_state)
     set_reductions_in_flight(root_state)
+    scheduler.coalesce_bytes = root_state.gather_together_bytes  # see [Note: Small units gathered together]
     for _, unit in units:
         previous = unit._unit_state.root
         if previous is not None and previous.unit is not root:
@@ -327,7 +328,10 @@ def reshard(state: UnitState, after_forward: bool = False) -> None:
     (which also lets go of the last forward's views and their graph) unless they hold them already. After
     forward, a unit given a post-forward group keeps its part for it (see [Note: Reshard to a smaller group]
     in csrc/flatshard/flat_param.h)."""
-    state.root.scheduler.reshard(state.handle, after_forward)
+    root = state.root
+    root.scheduler.reshard(state.handle, after_forward)
+    if root.gathered_ahead:
+        root.gathered_ahead.discard(state)
     if not state.placeholders_set:
         set_views(state, state.placeholders, placeholders=True)
 
@@ -402,8 +406,8 @@ def end_forward(unit: Any, call: ForwardCall, output: Any, raised: bool = False)
         s = unit._unit_state
         if s.is_root:
             s.root.in_forward_call = False
-            if s.root.prefetched_ahead is not None:  # (its forward never came: see [Note: Forward prefetch])
-                _drop_unused_prefetch(s.root)
+            if s.root.prefetched_ahead is not None or s.root.gathered_ahead:  # (their forward never came: see
+                _drop_unused_prefetch(s.root)  # [Note: Forward prefetch])
         s.switch("end of forward")
         return output if raised else _post_forward(s, call.use, call.grad_enabled, call.inputs, output)
     if kind == "recompute":
@@ -466,6 +470,8 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     root = s.root
     position = len(root.pre_forward_order)
     root.pre_forward_order.append(s)
+    if root.gathered_ahead:
+        root.gathered_ahead.discard(s)
     if root.prefetched_ahead is not None and root.prefetched_ahead is not s:
         _drop_unused_prefetch(root)
     root.prefetched_ahead = None
@@ -474,10 +480,16 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
         return None
     # Waiting first lets the backend drop its temporaries for this all-gather before the next one is issued (on
     # devices with events the wait only orders streams: no overlap is lost).
-    # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
+    # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp (two where a group is gathered).
     explicit = s.forward_prefetch_to
     ahead = _forward_prefetch_target(root, s, position) if s.config.forward_prefetch and explicit is None else None
-    views = root.scheduler.wait_for_unshard(handle, ahead, views=True)
+    group = None
+    if ahead is not None and root.gather_together_bytes:
+        order = root.forward_prefetch_order
+        group = _gather_group(root, ahead, (order[i] for i in range(position + 2, len(order))), False)
+    views = root.scheduler.wait_for_unshard(handle, None if ahead is None or group else ahead.handle, views=True)
+    if group:
+        _unshard_group(root, group)
     if explicit:
         _prefetch(root, explicit)
     flat = s.flat_param
@@ -505,9 +517,9 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
 #   generate) is resharded at once, and at the end of the root's forward at the latest.
 
 
-def _forward_prefetch_target(root: RootState, s: UnitState, position: int) -> _C.FlatParamHandle | None:
-    """See [Note: Forward prefetch]: the handle of the unit after ``s`` in the learned order, if this forward follows
-    that order up to ``s`` and the unit is sharded; remembered in ``root.prefetched_ahead``."""
+def _forward_prefetch_target(root: RootState, s: UnitState, position: int) -> UnitState | None:
+    """See [Note: Forward prefetch]: the unit after ``s`` in the learned order, if this forward follows that order up
+    to ``s`` and the unit is sharded (None for one gathered ahead already); remembered in ``root.prefetched_ahead``."""
     order = root.forward_prefetch_order
     if position + 1 >= len(order) or order[position] is not s:
         return None
@@ -517,14 +529,56 @@ def _forward_prefetch_target(root: RootState, s: UnitState, position: int) -> _C
     if t.handle is None or t.root is not root or not t.placeholders_set:
         return None
     root.prefetched_ahead = t
-    return t.handle
+    return None if t in root.gathered_ahead else t
 
 
 def _drop_unused_prefetch(root: RootState) -> None:
-    """The unit the last forward prefetch gathered did not run next: sharded again (see [Note: Forward prefetch])."""
+    """The unit the last forward prefetch gathered did not run next: sharded again, with the units gathered together
+    with it (see [Note: Forward prefetch])."""
     t, root.prefetched_ahead = root.prefetched_ahead, None
-    if t is not None and t.handle is not None and not t.holds_unsharded:
-        reshard(t)
+    ahead = [t] if t is not None and t not in root.gathered_ahead else []
+    ahead += root.gathered_ahead
+    root.gathered_ahead.clear()
+    for u in ahead:
+        if u.handle is not None and not u.holds_unsharded:
+            reshard(u)
+
+
+# [Note: Gathering small units together]
+# Where a unit's prefetch is issued (the implicit forward and backward prefetch, not the explicit lists), the units
+# that will run after it can come along in the same collective: the scheduler's unshard_together (see [Note: Small
+# units gathered together] in csrc/flatshard/scheduler.h). The front-end's config says up to how many bytes
+# (``gather_together_bytes``: fully_shard's, see [Note: fully_shard gathers small units together] in
+# _fsdp2_config.py; 0 for the class). The candidates are the units after the prefetched one in the order they will
+# run (the learned forward order; the backward's, the reverse of this forward's), while they are as the prefetched
+# one must be (sharded, their modules holding the placeholders; in backward, with a use left to run), hold no
+# post-forward shard of their own, are not gathered already, and fit the bytes; the scheduler takes the run of them
+# that it can gather together and says how many. Those are in ``root.gathered_ahead`` until their own pre-forward
+# or pre-backward (or a reshard): their prefetch is issued already, so none is issued for them, and a forward that
+# leaves the learned order reshards them with the prefetched unit.
+_MAX_GATHERED_TOGETHER = 16
+
+
+def _gather_group(root: RootState, first: UnitState, following: Iterable[UnitState],
+                  backward: bool) -> list[UnitState] | None:
+    """``first`` (a prefetch's unit) with the units of ``following`` that may come along, or None if none can (see
+    [Note: Gathering small units together])."""
+    total = first.gather_bytes
+    group = [first]
+    for u in following:
+        total += u.gather_bytes
+        if (total > root.gather_together_bytes or len(group) == _MAX_GATHERED_TOGETHER or u.handle is None
+                or u.root is not root or not u.placeholders_set or u.replicated or u in root.gathered_ahead
+                or u.config.post_forward_group is not None or u in group or (backward and not has_pending_uses(u))):
+            break
+        group.append(u)
+    return group if len(group) > 1 else None
+
+
+def _unshard_group(root: RootState, group: list[UnitState]) -> None:
+    """Gathers ``group`` together (see [Note: Gathering small units together]); remembers those that came along."""
+    gathered = root.scheduler.unshard_together([u.handle for u in group])
+    root.gathered_ahead.update(group[:gathered])
 
 
 def _prefetch(root: RootState, units: list[UnitState]) -> None:
@@ -788,11 +842,23 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
         queue_end_of_backward(s.root)
     if s.handle is not None:
         s.switch("pre-backward")
+        root = s.root
+        if root.gathered_ahead:
+            root.gathered_ahead.discard(s)
         explicit = s.backward_prefetch_to
         ahead = (_backward_prefetch_target(order, index - 1)
                  if s.config.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and explicit is None else None)
+        group = None
+        if ahead is not None and root.gather_together_bytes:
+            t = order[index - 1]
+            if t in root.gathered_ahead:
+                ahead = None  # gathered with an earlier prefetch
+            else:
+                group = _gather_group(root, t, (order[i] for i in range(index - 2, -1, -1)), True)
         # Resharded after forward: recomputation needs real views. One crossing (see forward()).
-        views = s.root.scheduler.wait_for_unshard(s.handle, ahead, views=s.placeholders_set)
+        views = root.scheduler.wait_for_unshard(s.handle, None if group else ahead, views=s.placeholders_set)
+        if group:
+            _unshard_group(root, group)
         if views is not None:
             hand_out_views(s, views)
         if explicit:
@@ -856,6 +922,7 @@ def finish_backward(root: RootState) -> None:
     """Root only, end of backward: gradient shards written, nothing unsharded (unless no_sync)."""
     root.final_callback_queued = False
     root.in_iteration = False
+    root.gathered_ahead.clear()  # (each is resharded below, or kept unsharded by its config)
     for unit in root.units:  # the same order on every rank
         s = unit._unit_state
         handle = s.handle
@@ -895,6 +962,7 @@ def abort_backward(root: RootState) -> None:
     )
     root.final_callback_queued = False
     root.in_iteration = False
+    root.gathered_ahead.clear()
     root.scheduler.abort_grad_sync()
     for unit in root.units:
         s = unit._unit_state

@@ -125,6 +125,7 @@ class UnitState:
         "training_state",
         "uses",  # live uses of the parameters by autograd (see _runtime.Use)
         "placeholders_set",  # whether the modules hold the storage-less placeholders
+        "gather_bytes",  # the unsharded parameters' bytes (what gathering the unit allocates)
         "sync_gradients",  # False inside no_sync()
         "reshards_after_backward",  # fully_shard's set_reshard_after_backward: False keeps the parameters unsharded
         # after backward, until a forward that reshards (gradient accumulation without the all-gathers)
@@ -170,6 +171,7 @@ class UnitState:
         self.device = device
         self.handle: _C.FlatParamHandle | None = None
         self.replicated = False
+        self.gather_bytes = 0
         self.placeholders: list[torch.Tensor] = []
         self.shard_dtype: torch.dtype | None = None
         self.flat_param: nn.Parameter | None = None
@@ -230,6 +232,7 @@ class UnitState:
     def storage_changed(self) -> None:
         """After the handle was made, or remade its buffers (a cast): the values read from it."""
         self.replicated = self.handle.is_replicated
+        self.gather_bytes = self.handle.unsharded_nbytes
         self.placeholders = list(self.handle.placeholder_views)
         self.shard_dtype = self.handle.local_shard.dtype
 
@@ -264,6 +267,9 @@ class RootState:
         "forward_prefetch_order",  # pre_forward_order of the last iteration that trained (see [Note: Forward
         # prefetch] in _runtime.py)
         "prefetched_ahead",  # the unit the last pre-forward's prefetch gathered, until its own pre-forward, or None
+        "gathered_ahead",  # units a prefetch gathered together with its own (see [Note: Small units gathered
+        # together] in csrc/flatshard/scheduler.h), until their own pre-forward or pre-backward, or a reshard
+        "gather_together_bytes",  # the root's config.gather_together_bytes
         "post_forward_order",  # units in the order their forward ended (backward prefetch)
         "recompute_order",  # the same, for a rerun of the whole model (see [Note: Recomputation])
         "recomputing",  # the whole model is being rerun
@@ -295,6 +301,8 @@ class RootState:
         self.iteration_trains = False
         self.forward_prefetch_order: list[UnitState] = []
         self.prefetched_ahead: UnitState | None = None
+        self.gathered_ahead: set[UnitState] = set()
+        self.gather_together_bytes = unit._unit_state.config.gather_together_bytes
         self.post_forward_order: list[UnitState] = []
         self.recompute_order: list[UnitState] = []
         self.recomputing = False
