@@ -137,8 +137,11 @@ def test_gather_together_bytes_from_the_environment(monkeypatch):
 
     monkeypatch.delenv("FLATSHARD_GATHER_TOGETHER_BYTES", raising=False)
     assert gather_together_bytes() == GATHER_TOGETHER_BYTES
+    assert gather_together_bytes("cuda") == 0  # (until NCCL's grouped all-gather has run on a GPU)
     monkeypatch.setenv("FLATSHARD_GATHER_TOGETHER_BYTES", "0")
     assert gather_together_bytes() == 0
+    monkeypatch.setenv("FLATSHARD_GATHER_TOGETHER_BYTES", "65536")
+    assert gather_together_bytes("cuda") == 65536
     for bad in ("-1", "lots"):
         monkeypatch.setenv("FLATSHARD_GATHER_TOGETHER_BYTES", bad)
         with pytest.raises(ValueError, match=r"FLATSHARD_GATHER_TOGETHER_BYTES=.*expected a number of bytes"):

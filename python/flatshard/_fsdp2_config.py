@@ -56,15 +56,17 @@ def default_mesh() -> Any:
 # (the same parameters, gradients and order of reductions; each unit still reshards after its own forward and
 # backward), and what is held unsharded grows by at most that many bytes, a fraction of one unit of any model big
 # enough to shard. The environment variable FLATSHARD_GATHER_TOGETHER_BYTES sets it for the units fully_shard makes
-# afterwards (0: one all-gather per unit, as torch's).
+# afterwards (0: one all-gather per unit, as torch's). Its default is on for CPU meshes only, for now: on a GPU the
+# coalesced all-gather is NCCL's grouped one, which has not run on a GPU yet (issue 28's next session); there the
+# variable turns it on.
 GATHER_TOGETHER_BYTES = 256 * 1024
 
 
-def gather_together_bytes() -> int:
+def gather_together_bytes(device_type: str = "cpu") -> int:
     """See [Note: fully_shard gathers small units together]."""
     text = os.environ.get("FLATSHARD_GATHER_TOGETHER_BYTES")
     if text is None:
-        return GATHER_TOGETHER_BYTES
+        return GATHER_TOGETHER_BYTES if device_type == "cpu" else 0
     try:
         value = int(text)
     except ValueError:
@@ -256,7 +258,7 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=mesh.device_type == "cpu",
         limit_all_gathers=True,
-        gather_together_bytes=gather_together_bytes(),
+        gather_together_bytes=gather_together_bytes(mesh.device_type),
         mixed_precision=mp,
         # CPUOffloadPolicy: the shards, their gradients and the optimizer's step on the host; each all-gather
         # copies the shard to the device first (see [Note: Mixed precision and offload] in flat_param.h).

@@ -73,6 +73,14 @@ class ThreadBackend : public c10d::Backend {
     rv_->barrier();
     return c10::make_intrusive<DoneWork>();
   }
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outs,
+                                                                 std::vector<at::Tensor>& ins,
+                                                                 const c10d::AllgatherOptions& opts) override {
+    ++coalesced_all_gathers;
+    for (std::size_t i = 0; i < ins.size(); ++i) _allgather_base(outs[i], ins[i], opts);
+    return c10::make_intrusive<DoneWork>();
+  }
+  int coalesced_all_gathers = 0;
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& opts) override {
     EXPECT_EQ(opts.reduceOp, c10d::ReduceOp::SUM);
@@ -180,6 +188,58 @@ TEST(Scheduler, UnshardWaitReshardAndIdempotence) {
     scheduler.reshard(unit);
     EXPECT_EQ(scheduler.pending_all_gathers(), 0);
     EXPECT_FALSE(unit.has_unsharded_storage());
+  });
+}
+
+// See [Note: Small units gathered together] in scheduler.h.
+TEST(Scheduler, UnshardTogetherGathersTheRunOfUnitsThatFitInOneCollective) {
+  run_ranks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    auto* backend = static_cast<ThreadBackend*>(group->getBackend(c10::DeviceType::CPU).get());
+    std::vector<std::unique_ptr<FlatParamHandle>> units;
+    for (int i = 0; i < 5; ++i) {
+      FlatParamOptions options;
+      if (i == 3) options.param_dtype = at::kDouble;  // another all-gather dtype: cannot join the others
+      std::vector<at::Tensor> ps = params();
+      for (at::Tensor& p : ps) p.add_(10 * i);
+      units.push_back(std::make_unique<FlatParamHandle>("unit" + std::to_string(i), FlatParamLayout({{3, 2}, {5}}, 2),
+                                                        rank, ps, options));
+    }
+    Scheduler scheduler(Collectives(group), std::nullopt, c10::Device(c10::kCPU), /*max_in_flight=*/2);
+    std::vector<FlatParamHandle*> all;
+    for (auto& unit : units) all.push_back(unit.get());
+    // Off (the default): the first unit alone, as unshard.
+    EXPECT_EQ(scheduler.unshard_together(all), 1);
+    EXPECT_EQ(backend->coalesced_all_gathers, 0);
+    EXPECT_EQ(scheduler.unshard_together(all), 0);  // the first one's all-gather is in flight: nothing issued
+    scheduler.reshard(*units[0]);
+    // 12 fp32 elements (48 bytes) a unit: three fit in 150 bytes; the cap stops the run there.
+    scheduler.set_coalesce_bytes(150);
+    EXPECT_EQ(scheduler.unshard_together(all), 3);
+    EXPECT_EQ(backend->coalesced_all_gathers, 1);
+    EXPECT_EQ(scheduler.pending_all_gathers(), 3);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(units[i]->state(), ShardedState::kUnsharding);
+      scheduler.wait_for_unshard(*units[i]);
+      EXPECT_TRUE(at::equal(units[i]->views()[1], params()[1] + 10 * i)) << "unit " << i;
+    }
+    EXPECT_EQ(units[3]->state(), ShardedState::kSharded);
+    // Room for all: the run stops at unit 3, whose dtype differs.
+    scheduler.set_coalesce_bytes(1 << 20);
+    for (int i = 0; i < 3; ++i) scheduler.reshard(*units[i]);
+    EXPECT_EQ(scheduler.unshard_together(all), 3);
+    EXPECT_EQ(scheduler.unshard_together({units[3].get(), units[4].get()}), 1);  // fp64 then fp32: alone
+    EXPECT_EQ(scheduler.unshard_together({units[4].get(), units[4].get()}), 1);  // the same unit once
+    for (auto& unit : units) scheduler.wait_for_unshard(*unit);
+    EXPECT_TRUE(at::equal(units[3]->views()[0], (params()[0] + 30).to(at::kDouble)));
+    EXPECT_TRUE(at::equal(units[4]->views()[0], params()[0] + 40));
+    EXPECT_EQ(backend->coalesced_all_gathers, 2);
+    // Resharding a unit of a group in flight waits for the group's collective.
+    for (auto& unit : units) scheduler.reshard(*unit);
+    EXPECT_EQ(scheduler.unshard_together({units[0].get(), units[1].get()}), 2);
+    scheduler.reshard(*units[1]);
+    scheduler.reshard(*units[0]);
+    EXPECT_EQ(scheduler.pending_all_gathers(), 0);
+    EXPECT_THROW(scheduler.set_coalesce_bytes(-1), c10::Error);
   });
 }
 
