@@ -113,7 +113,8 @@ def headline(results: dict) -> list[tuple[str, str]]:
                              f"{LABELS['flatshard-fs']} / {LABELS['fsdp2']}",
                              f"{max(mine, 0):.0f} µs / {theirs_above:.0f} µs"
                              + (f" = {_ratio(max(mine, 0), theirs_above)}" if theirs_above > 0 else "")
-                             + (f" ({-mine:.0f} µs under the collectives alone: overlapped)" if mine < 0 else "")))
+                             + (f" ({-mine:.0f} µs under the collectives alone: fewer collectives, small units "
+                                f"gathered and reduced together)" if mine < 0 else "")))
     for name in ("gpt-large", "gpt-large-bf16"):
         large = timing.get("1", {}).get(name)
         if large is None:

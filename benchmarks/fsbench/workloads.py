@@ -160,11 +160,12 @@ def run_training(ctx: Ctx, cfg: TrainConfig) -> dict:
 # With units as small as ``many-small-units``' (272 parameters), a sharded step over gloo at W > 1 is mostly waiting:
 # each unit's parameters are all-gathered in forward and again in backward, and its gradient reduce-scattered, and
 # every one of those exchanges costs gloo's latency between the ranks' processes (hundreds of microseconds here),
-# whoever issues it. So every sharded peer's overhead per unit holds that floor, which no runtime can go under
-# without exchanging less. The run times it as one more item of the interleaved rounds: the same three collectives
-# per unit on a unit's bytes (the model's parameters over its units, this rank's part), issued back to back with
-# preallocated buffers, nothing else; a peer's overhead above it is what its own code costs (and what it fails to
-# overlap).
+# whoever issues it. So a peer that issues them one unit at a time holds that floor, and only one that issues fewer
+# collectives goes under it: flatshard's fully_shard, which gathers and reduces small units together ([Note: Small
+# units gathered together] in csrc/flatshard/scheduler.h). The run times it as one more item of the interleaved
+# rounds: the same three collectives per unit on a unit's bytes (the model's parameters over its units, this rank's
+# part), issued back to back with preallocated buffers, nothing else; a peer's overhead above it is what its own code
+# costs (and what it fails to overlap).
 _EXCHANGES = "exchanges"
 
 
