@@ -148,8 +148,10 @@ class RankMemory:
 def rank_memory(units: list[PlannedUnit], optimizer: str, offload_params: bool, no_sync: bool,
                 activations: int | ActivationProfile | None = None, optimizer_foreach: bool = True,
                 backend: str = "nccl", compute_on_host: bool = False, shard_group_size: int = 1,
-                new_groups: int = 0) -> RankMemory:
+                new_groups: int = 0, gather_together: int = 0) -> RankMemory:
     """``compute_on_host``: the device is the host itself (a CPU run): offloaded shards are used where they are.
+    ``gather_together``: fully_shard's bytes of small units gathered (and, on two gloo ranks, reduced) together (see
+    [Note: fully_shard gathers small units together] in flatshard/_fsdp2_config.py); 0: one unit a collective.
     ``new_groups``: the process groups the wrap creates (hybrid sharding's two).
     ``activations``: one number (spread evenly over backward) or a measured profile."""
     if optimizer not in OPTIMIZER_STATES:
@@ -162,7 +164,7 @@ def rank_memory(units: list[PlannedUnit], optimizer: str, offload_params: bool, 
     if OPTIMIZER_STATES[optimizer] == 2 and trainable_shards:
         step_temporaries = _adam_step_temporaries(trainable_shards, optimizer_foreach)
     timeline = _Timeline(units, offload_params and not compute_on_host, backend, no_sync, activations,
-                         shard_group_size, on_host=compute_on_host)
+                         shard_group_size, on_host=compute_on_host, gather_together=gather_together)
     peak_activations = activations.peak if isinstance(activations, ActivationProfile) else activations
     on_host = (shards + grads + optim) if offload_params else 0
     # On the device: what is there between steps, then the highest of forward, backward and the step.
@@ -203,7 +205,8 @@ class _Timeline:
     runs (as measured, or evenly)."""
 
     def __init__(self, units: list[PlannedUnit], copies_to_device: bool, backend: str, no_sync: bool,
-                 activations: int | ActivationProfile | None, group_size: int, on_host: bool = False) -> None:
+                 activations: int | ActivationProfile | None, group_size: int, on_host: bool = False,
+                 gather_together: int = 0) -> None:
         roots = [u for u in units if u.is_root]
         others = [u for u in units if not u.is_root]
         trainable_names = [u.param_names if u.trainable_numel else () for u in others]
@@ -262,14 +265,45 @@ class _Timeline:
         self.replicated = [u.replicated for u in others]
         self.root_held = sum(_unsharded_grad_bytes(u) if no_sync else 0 for u in roots)
         self.held_across_no_sync = sum(self.held) + self.root_held
+        # See [Note: Small units gathered together] in csrc/flatshard/scheduler.h: a prefetch gathers the run of small
+        # units after its own (at most gather_together bytes, 16 units); on two gloo ranks their reduce-scatters wait
+        # for each other, each flat gradient held until the run's goes.
+        self.gather_together = gather_together
+        self.copy_out = [b if u.layout.kind.name == "DIM0" and not u.replicated else 0
+                         for u, b in zip(others, self.buffers)]
+        deferring = gather_together and gloo and group_size == 2
+        self.gathered_ahead = [self._run(self.buffers, i, 1) for i in range(self.n)]
+        self.gathered_behind = [self._run(self.buffers, i, -1) for i in range(self.n)]
+        if deferring:  # (the units after i in forward order reduce before it in backward)
+            self.pending = [p + self._run(self.flat, i + 1, 1, first_alone=False) for i, p in enumerate(self.pending)]
         self.forward = self.root_forward + self._forward_buffers() + self.held_across_no_sync + self.forward_activations
+
+    def _ahead(self, i: int) -> int:
+        """In forward, beside unit i's parameters: the next unit's, prefetched after i's wait (and its all-gather's
+        temporaries); or, gathered together before it, the run of units after i, while i's wait copies its parameters
+        out of its all-gather's buffer (fully_shard's layout: both held for a moment)."""
+        if i + 1 >= self.n:
+            return 0
+        alone = self.buffers[i + 1] + self.copies[i + 1]
+        together = self.gathered_ahead[i + 1]
+        return max(alone, together + self.copy_out[i]) if together > self.buffers[i + 1] else alone
+
+    def _run(self, sizes: list[int], start: int, step: int, first_alone: bool = True) -> int:
+        """Bytes of ``sizes`` from unit ``start`` on (by ``step``) that go in one collective: the first whatever its
+        size (``first_alone``), then while the sum fits gather_together (see [Note: Small units gathered together])."""
+        total, count, j = 0, 0, start
+        while 0 <= j < self.n and count < 16 and not self.replicated[j]:
+            if total + sizes[j] > self.gather_together and (count or not first_alone):
+                break
+            total, count, j = total + sizes[j], count + 1, j + step
+        return total
 
     def _forward_buffers(self) -> int:
         n, b, c = self.n, self.buffers, self.copies
         if not n:
             return 0
-        if self.resharding:  # the current unit and the one prefetched
-            return max(b[i] + (b[i + 1] + c[i + 1] if i + 1 < n else 0) for i in range(n))
+        if self.resharding:  # the current unit and the one prefetched (with those gathered together with it)
+            return max(b[i] + self._ahead(i) for i in range(n))
         return sum(b) + c[-1]  # every unit stays unsharded from its forward to its backward
 
     def _backward_points(self, grads_on_device: bool) -> list[tuple[int, int]]:
@@ -278,7 +312,7 @@ class _Timeline:
         n, b, c = self.n, self.buffers, self.copies
         points = []
         for i in range(n):
-            prefetched = b[i - 1] if i and self.resharding else 0
+            prefetched = self.gathered_behind[i - 1] if i and self.resharding else 0
             # the prefetch's temporaries: while its call runs as the unit's backward starts (gloo's: until it completes)
             scratch = c[i - 1] if i and self.resharding else 0
             before = sum(b[:i]) if not self.resharding else prefetched  # the units to come, unsharded

@@ -221,7 +221,8 @@ def plan(
     traffic = [unit_traffic(u, shard_group, replicate_group) for u in units]
     memory = rank_memory(units, optimizer, offload, no_sync, activation_bytes, optimizer_foreach, backend,
                          compute_on_host=device == "cpu", shard_group_size=shard_group,
-                         new_groups=2 if strategy in _HYBRID else 0)
+                         new_groups=2 if strategy in _HYBRID else 0,
+                         gather_together=_gather_together(api, device))
     timing = None
     if network is not None:
         if isinstance(network, str):
@@ -232,6 +233,15 @@ def plan(
         timing = step_time(units, shard_group, replicate_group, network, compute or (0.0, 0.0, 0.0),
                            overlap=device == "cuda" if overlap is None else overlap, gloo=backend == "gloo")
     return Plan(world_size, strategy, shard_group, replicate_group, units, traffic, memory, timing)
+
+
+def _gather_together(api: str, device: str) -> int:
+    """What fully_shard gathers together on ``device`` (see [Note: fully_shard gathers small units together])."""
+    if api != "fully_shard":
+        return 0
+    from flatshard._fsdp2_config import gather_together_bytes
+
+    return gather_together_bytes("cuda" if device == "cuda" else "cpu")
 
 
 def _as_fully_shard(strategy: ShardingStrategy | None, reshard_after_forward: Any, mixed_precision: Any,
