@@ -468,6 +468,9 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     """The unit's parameters unsharded and on its modules, as views autograd tracks through a new use if its
     gradients will be computed (that use, else None)."""
     root = s.root
+    handle = s.handle
+    if handle is None:
+        return None  # see [Note: The orders hold units that gather]
     position = len(root.pre_forward_order)
     root.pre_forward_order.append(s)
     if root.gathered_ahead:
@@ -475,16 +478,13 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     if root.prefetched_ahead is not None and root.prefetched_ahead is not s:
         _drop_unused_prefetch(root)
     root.prefetched_ahead = None
-    handle = s.handle
-    if handle is None:
-        return None
     # Waiting first lets the backend drop its temporaries for this all-gather before the next one is issued (on
     # devices with events the wait only orders streams: no overlap is lost).
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp (two where a group is gathered).
     explicit = s.forward_prefetch_to
     ahead = _forward_prefetch_target(root, s, position) if s.config.forward_prefetch and explicit is None else None
     group = None
-    if ahead is not None and root.gather_together_bytes:
+    if ahead is not None and root.gather_together_bytes and not ahead.replicated:
         order = root.forward_prefetch_order
         group = _gather_group(root, ahead, (order[i] for i in range(position + 2, len(order))), False)
     views = root.scheduler.wait_for_unshard(handle, None if ahead is None or group else ahead.handle, views=True)
@@ -544,6 +544,14 @@ def _drop_unused_prefetch(root: RootState) -> None:
             reshard(u)
 
 
+# [Note: The orders hold units that gather]
+# The forward orders (``pre_forward_order``, ``post_forward_order``) that the prefetches follow hold the units with
+# parameters of their own only, as torch's FSDP2's do: a unit without (a parameterless module given its own
+# fully_shard, an activation) issues no collective, and a model may run it on some ranks only; in the orders it would
+# make the ranks' prefetches differ, and so the collectives they issue (a gathered group of other units, or an
+# all-gather issued before a reduce-scatter on one rank and after it on another).
+
+
 # [Note: Gathering small units together]
 # Where a unit's prefetch is issued (the implicit forward and backward prefetch, not the explicit lists), the units
 # that will run after it can come along in the same collective: the scheduler's unshard_together (see [Note: Small
@@ -553,7 +561,10 @@ def _drop_unused_prefetch(root: RootState) -> None:
 # run (the learned forward order; the backward's, the reverse of this forward's), while they are as the prefetched
 # one must be (sharded, their modules holding the placeholders; in backward, with a use left to run), hold no
 # post-forward shard of their own, are not gathered already, and fit the bytes; the scheduler takes the run of them
-# that it can gather together and says how many. Those are in ``root.gathered_ahead`` until their own pre-forward
+# that it can gather together and says how many. A unit that is not sharded where it stands (it ran already and was
+# kept unsharded, or is listed twice) is passed over rather than ending the run: a unit kept unsharded may run a
+# different number of times on different ranks, and every rank must gather the same groups (see also [Note: The
+# orders hold units that gather]). Those are in ``root.gathered_ahead`` until their own pre-forward
 # or pre-backward (or a reshard): their prefetch is issued already, so none is issued for them, and a forward that
 # leaves the learned order reshards them with the prefetched unit.
 _MAX_GATHERED_TOGETHER = 16
@@ -566,10 +577,12 @@ def _gather_group(root: RootState, first: UnitState, following: Iterable[UnitSta
     total = first.gather_bytes
     group = [first]
     for u in following:
+        if not u.placeholders_set or u in group:  # (run already and kept, or a repeat: nothing to gather, see below)
+            continue
         total += u.gather_bytes
-        if (total > root.gather_together_bytes or len(group) == _MAX_GATHERED_TOGETHER or u.handle is None
-                or u.root is not root or not u.placeholders_set or u.replicated or u in root.gathered_ahead
-                or u.config.post_forward_group is not None or u in group or (backward and not has_pending_uses(u))):
+        if (total > root.gather_together_bytes or len(group) == _MAX_GATHERED_TOGETHER or u.root is not root
+                or u.replicated or u in root.gathered_ahead or u.config.post_forward_group is not None
+                or (backward and not has_pending_uses(u))):
             break
         group.append(u)
     return group if len(group) > 1 else None
@@ -632,7 +645,8 @@ def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any
         return output
     order = root.post_forward_order
     index = len(order)
-    order.append(s)
+    if s.handle is not None:  # see [Note: The orders hold units that gather]
+        order.append(s)
     if use is not None:
         use.order, use.index = order, index
     # The hook keeps the order and the index, not the use: only the views' node may keep a use alive (a node
@@ -853,7 +867,7 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
             t = order[index - 1]
             if t in root.gathered_ahead:
                 ahead = None  # gathered with an earlier prefetch
-            else:
+            elif not t.replicated:
                 group = _gather_group(root, t, (order[i] for i in range(index - 2, -1, -1)), True)
         # Resharded after forward: recomputation needs real views. One crossing (see forward()).
         views = root.scheduler.wait_for_unshard(s.handle, None if group else ahead, views=s.placeholders_set)
