@@ -238,23 +238,34 @@ std::int64_t Scheduler::unshard_together(const std::vector<FlatParamHandle*>& un
     limiter_.acquire();
   }
   RECORD_USER_SCOPE(first.all_gather_range());
+  Collectives& collectives = groups_of(first).shard;
+  std::size_t input_bytes = 0;
+  for (const FlatParamHandle* unit : group) {
+    input_bytes += static_cast<std::size_t>(unit->layout().shard_numel()) * c10::elementSize(unit->param_dtype());
+  }
+  check_sequence(collectives, first, "all_gather together with the next units", input_bytes);
   const c10::Stream compute = current_stream();
   stream_wait(all_gather_stream_, compute);
   c10::StreamGuard stream_guard(all_gather_stream_);
   std::vector<at::Tensor> outputs, inputs;
-  for (FlatParamHandle* unit : group) {
-    unit->alloc_unsharded();
-    outputs.push_back(unit->all_gather_target());
-    inputs.push_back(unit->all_gather_input());
+  std::shared_ptr<CommWork> work;
+  try {
+    for (FlatParamHandle* unit : group) {
+      unit->alloc_unsharded();
+      outputs.push_back(unit->all_gather_target());
+      inputs.push_back(unit->all_gather_input());
+    }
+    work = std::make_shared<CommWork>(collectives.all_gather_coalesced(outputs, inputs));
+  } catch (...) {  // (out of memory, say): every unit sharded as it was, its buffers gone
+    for (FlatParamHandle* unit : group) {
+      unit->drop_all_gather_input();
+      unit->free_unsharded();
+    }
+    throw;
   }
-  Collectives& collectives = groups_of(first).shard;
-  std::size_t input_bytes = 0;
-  for (const at::Tensor& input : inputs) input_bytes += input.nbytes();
-  check_sequence(collectives, first, "all_gather together with the next units", input_bytes);
   for (std::size_t i = 0; i < group.size(); ++i) {
     group[i]->count_collective(FlatParamHandle::kGathered, static_cast<std::int64_t>(inputs[i].nbytes()));
   }
-  auto work = std::make_shared<CommWork>(collectives.all_gather_coalesced(outputs, inputs));
   if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
   auto left = std::make_shared<std::int64_t>(static_cast<std::int64_t>(group.size()));
   for (FlatParamHandle* unit : group) {
@@ -331,6 +342,8 @@ void Scheduler::reshard(FlatParamHandle& unit, bool after_forward) {
 }
 
 void Scheduler::reduce_grad(FlatParamHandle& unit) {
+  TORCH_CHECK(!unit.all_reduce_replicas() || groups_of(unit).replicate.has_value(), "flatshard: unit '", unit.name(),
+              "' asks for a replica all-reduce but the scheduler has no replicate group");
   at::Tensor flat_grad = unit.take_unsharded_grad();
   // See [Note: Small units reduced together].
   if (can_defer_reduction(unit, flat_grad)) {
