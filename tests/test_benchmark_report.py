@@ -53,9 +53,10 @@ def test_the_collectives_floor_per_unit_is_reported_with_each_peers_overhead_abo
     assert rows["`many-small-units` W=2: a unit's collectives alone (raw gloo, timed in the same rounds)"] == "1000 µs"
     above = "`many-small-units` W=2: overhead per unit above the collectives alone, flatshard fully_shard / torch FSDP2"
     assert rows[above] == "500 µs / 2500 µs = 0.20×"
-    # Under the floor (the runtime overlapped its collectives): said so, not a negative ratio
+    # Under the floor (fewer collectives: small units gathered and reduced together): said so, not a negative ratio
     rows = dict(headline(_per_unit_run({"flatshard": 1300.0, "flatshard-fs": 990.0, "fsdp2": 3500.0}, 1000.0)))
-    assert rows[above] == "0 µs / 2500 µs = 0.00× (10 µs under the collectives alone: overlapped)"
+    assert rows[above] == ("0 µs / 2500 µs = 0.00× (10 µs under the collectives alone: fewer collectives, small units "
+                           "gathered and reduced together)")
     # No floor timed (W=1, or an older run): no such rows
     rows = dict(headline(_per_unit_run({"flatshard": 1300.0, "flatshard-fs": 1500.0, "fsdp2": 3500.0}, None)))
     assert not any("collectives alone" in what for what in rows)
