@@ -257,7 +257,7 @@ def _prefetch_follows_training_order(rank: int, world_size: int) -> tuple[list, 
 
 
 def test_forward_prefetch_follows_the_training_order_and_frees_what_did_not_run():
-    """See [Note: Forward prefetch] in _runtime.py: no block stays gathered after a forward that left the learned
+    """See [Note: Forward prefetch] in _prefetch.py: no block stays gathered after a forward that left the learned
     order (before, the prefetched block stayed so until the end of the next backward, or after a no-grad forward
     until its next use); block 1 is prefetched in block 0's pre-forward only once a training iteration ran the whole
     order; the training is torch FSDP2's, bit for bit."""

@@ -14,7 +14,7 @@ hold or how the forward runs:
 - ``one_per_unit``: FLATSHARD_GATHER_TOGETHER_BYTES=0 (torch's one all-gather per unit; as many scopes as units);
 - ``unit_without_parameters_on_rank_0``: a parameterless module given its own ``fully_shard`` runs after block 1 on
   rank 0 only (torch's FSDP2 trains this): it must not change which units the ranks gather together, nor the order
-  of their collectives (see [Note: The orders hold units that gather] in _runtime.py); with ``_one_per_unit`` too.
+  of their collectives (see [Note: The orders hold units that gather] in _prefetch.py); with ``_one_per_unit`` too.
 In ``plain`` and ``one_per_unit`` the forward's peak of unsharded bytes is also what ``flatshard.plan`` says.
 """
 

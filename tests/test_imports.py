@@ -65,7 +65,7 @@ def test_the_planners_command_line_refuses_before_importing_torch():
 RUNTIME = ("_config", "_state", "_construction", "_runtime", "_full_params", "_clip_grad_norm", "_host_offload", "_state_dict",
            "_sharded_state_dict", "_state_dict_load", "_optim_state_dict", "_mixed_precision", "_orig_params",
            "_comm_hooks", "_rank_guard", "_stall_watch", "_guard_links", "_exit", "_profiling", "_common",
-           "_broadcast", "_stale_optimizer", "_dtensor_params", "_wakeup", "_tensor_parallel")
+           "_broadcast", "_stale_optimizer", "_dtensor_params", "_wakeup", "_tensor_parallel", "_prefetch")
 FRONT_ENDS = ("flatshard.fully_sharded_data_parallel", "flatshard._fsdp1_config", "flatshard._torch_facade",
               "flatshard._fully_shard", "flatshard._fsdp2_config")
 # torch's names every layer shares (enums, configs, policies) and the package's entry.

@@ -118,7 +118,7 @@ class Scheduler {
   // states and sizes are the same everywhere. A no-op unless `units[0]` is sharded (a prefetch of a unit whose
   // gather is in flight); with coalesce_bytes() == 0 (the default) or no second unit to take, unshard(units[0]).
   // Returns how many units, from `units[0]` on, it gathered (0, 1 or more). The front-end chooses the candidates
-  // and the bytes (python/flatshard/_runtime.py's _gather_group).
+  // and the bytes (python/flatshard/_prefetch.py's _gather_group).
   std::int64_t unshard_together(const std::vector<FlatParamHandle*>& units);
   void set_coalesce_bytes(std::int64_t bytes);
   std::int64_t coalesce_bytes() const { return coalesce_bytes_; }

@@ -52,7 +52,7 @@ def default_mesh() -> Any:
 # each norm or embedding a unit of its own) waits one collective latency per unit, twice per step, whatever the
 # bytes. fully_shard's implicit prefetch (forward on a CPU mesh, backward everywhere) takes the units that run next
 # along in the prefetched one's collective while their unsharded parameters come to at most
-# GATHER_TOGETHER_BYTES in all ([Note: Gathering small units together] in _runtime.py): what users see is unchanged
+# GATHER_TOGETHER_BYTES in all ([Note: Gathering small units together] in _prefetch.py): what users see is unchanged
 # (the same parameters, gradients and order of reductions; each unit still reshards after its own forward and
 # backward), and what is held unsharded grows by at most that many bytes, a fraction of one unit of any model big
 # enough to shard. The environment variable FLATSHARD_GATHER_TOGETHER_BYTES sets it for the units fully_shard makes

@@ -8,7 +8,8 @@ work itself is one call into the C++ scheduler per step of the lifecycle.
 [Note: Unit lifecycle]
 forward (per call of a unit):
   unshard -> wait (+ forward prefetch: the unit that came next in the last
-  training iteration, see [Note: Forward prefetch]) -> hand the original parameters out
+  training iteration, with the small units after it, see [Note: Forward prefetch]
+  and [Note: Gathering small units together] in _prefetch.py) -> hand the original parameters out
   as views of the unsharded buffer -> run the module -> reshard if the
   strategy reshards after forward (FULL_SHARD, HYBRID_SHARD; never the root
   while grad is enabled, its backward starts right away; always when grad is
@@ -71,13 +72,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from flatshard import (_C, _comm_hooks, _dtensor_params, _exit, _mixed_precision, _orig_params, _rank_guard, _stall_watch,
-                       _tensor_parallel)
+from flatshard import (_C, _comm_hooks, _dtensor_params, _exit, _mixed_precision, _orig_params, _prefetch, _rank_guard,
+                       _stall_watch, _tensor_parallel)
 from flatshard._common import UsageError, clean_name, is_unit, logger, tensors_in, to_device
 from flatshard._construction import all_gather_limit, unit_modules
 from flatshard._mixed_precision import cast_floating
@@ -407,7 +408,7 @@ def end_forward(unit: Any, call: ForwardCall, output: Any, raised: bool = False)
         if s.is_root:
             s.root.in_forward_call = False
             if s.root.prefetched_ahead is not None or s.root.gathered_ahead:  # (their forward never came: see
-                _drop_unused_prefetch(s.root)  # [Note: Forward prefetch])
+                _prefetch.drop_unused(s.root)  # [Note: Forward prefetch] in _prefetch.py)
         s.switch("end of forward")
         return output if raised else _post_forward(s, call.use, call.grad_enabled, call.inputs, output)
     if kind == "recompute":
@@ -470,28 +471,25 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     root = s.root
     handle = s.handle
     if handle is None:
-        return None  # see [Note: The orders hold units that gather]
+        return None  # see [Note: The orders hold units that gather] in _prefetch.py
     position = len(root.pre_forward_order)
     root.pre_forward_order.append(s)
     if root.gathered_ahead:
         root.gathered_ahead.discard(s)
     if root.prefetched_ahead is not None and root.prefetched_ahead is not s:
-        _drop_unused_prefetch(root)
+        _prefetch.drop_unused(root)
     root.prefetched_ahead = None
     # Waiting first lets the backend drop its temporaries for this all-gather before the next one is issued (on
     # devices with events the wait only orders streams: no overlap is lost).
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp (two where a group is gathered).
     explicit = s.forward_prefetch_to
-    ahead = _forward_prefetch_target(root, s, position) if s.config.forward_prefetch and explicit is None else None
-    group = None
-    if ahead is not None and root.gather_together_bytes and not ahead.replicated:
-        order = root.forward_prefetch_order
-        group = _gather_group(root, ahead, (order[i] for i in range(position + 2, len(order))), False)
-    views = root.scheduler.wait_for_unshard(handle, None if ahead is None or group else ahead.handle, views=True)
+    ahead, group = (_prefetch.forward(root, s, position) if s.config.forward_prefetch and explicit is None
+                    else (None, None))
+    views = root.scheduler.wait_for_unshard(handle, ahead, views=True)
     if group:
-        _unshard_group(root, group)
+        _prefetch.unshard_group(root, group)
     if explicit:
-        _prefetch(root, explicit)
+        _prefetch.explicit(root, explicit)
     flat = s.flat_param
     if not (grad_enabled and flat.requires_grad):
         set_views(s, views)
@@ -501,105 +499,6 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
         root.first_use = weakref.ref(use)
     set_views(s, _apply_views(s, use, views))
     return use
-
-
-# [Note: Forward prefetch]
-# A unit's pre-forward, with forward prefetch (the class's forward_prefetch=True; fully_shard on a CPU mesh, see
-# [Note: Forward prefetch where the host is the device] in _fsdp2_config.py), issues the all-gather of the unit that
-# came next in the order it learned, so that it overlaps this unit's compute. That guess must not hold memory, nor
-# differ between ranks:
-# - the order is the last training iteration's (a forward with grad): its backward's collectives pair up across
-#   ranks, so its forwards ran the same units everywhere; an evaluation or a generate loop (no grad) does not
-#   change it, as its forwards may differ between ranks when they gather nothing (units kept unsharded).
-# - the guess is made only while this forward follows that order (the unit is where it was), and only for a unit
-#   whose modules hold their placeholders (not one the user unsharded, or one running);
-# - a prefetched unit whose forward does not come next (the forward left the order: a unit skipped, a shorter
-#   generate) is resharded at once, and at the end of the root's forward at the latest.
-
-
-def _forward_prefetch_target(root: RootState, s: UnitState, position: int) -> UnitState | None:
-    """See [Note: Forward prefetch]: the unit after ``s`` in the learned order, if this forward follows that order up
-    to ``s`` and the unit is sharded (None for one gathered ahead already); remembered in ``root.prefetched_ahead``."""
-    order = root.forward_prefetch_order
-    if position + 1 >= len(order) or order[position] is not s:
-        return None
-    t = order[position + 1]
-    # (Its modules hold the placeholders: sharded, or gathered ahead already and not run; not one the user unsharded,
-    # nor one running. Read here, not from the handle: see [Note: One crossing per lifecycle step] in bindings.cpp.)
-    if t.handle is None or t.root is not root or not t.placeholders_set:
-        return None
-    root.prefetched_ahead = t
-    return None if t in root.gathered_ahead else t
-
-
-def _drop_unused_prefetch(root: RootState) -> None:
-    """The unit the last forward prefetch gathered did not run next: sharded again, with the units gathered together
-    with it (see [Note: Forward prefetch])."""
-    t, root.prefetched_ahead = root.prefetched_ahead, None
-    ahead = [t] if t is not None and t not in root.gathered_ahead else []
-    ahead += root.gathered_ahead
-    root.gathered_ahead.clear()
-    for u in ahead:
-        if u.handle is not None and not u.holds_unsharded:
-            reshard(u)
-
-
-# [Note: The orders hold units that gather]
-# The forward orders (``pre_forward_order``, ``post_forward_order``) that the prefetches follow hold the units with
-# parameters of their own only, as torch's FSDP2's do: a unit without (a parameterless module given its own
-# fully_shard, an activation) issues no collective, and a model may run it on some ranks only; in the orders it would
-# make the ranks' prefetches differ, and so the collectives they issue (a gathered group of other units, or an
-# all-gather issued before a reduce-scatter on one rank and after it on another).
-
-
-# [Note: Gathering small units together]
-# Where a unit's prefetch is issued (the implicit forward and backward prefetch, not the explicit lists), the units
-# that will run after it can come along in the same collective: the scheduler's unshard_together (see [Note: Small
-# units gathered together] in csrc/flatshard/scheduler.h). The front-end's config says up to how many bytes
-# (``gather_together_bytes``: fully_shard's, see [Note: fully_shard gathers small units together] in
-# _fsdp2_config.py; 0 for the class). The candidates are the units after the prefetched one in the order they will
-# run (the learned forward order; the backward's, the reverse of this forward's), while they are as the prefetched
-# one must be (sharded, their modules holding the placeholders; in backward, with a use left to run), hold no
-# post-forward shard of their own, are not gathered already, and fit the bytes; the scheduler takes the run of them
-# that it can gather together and says how many. A unit that is not sharded where it stands (it ran already and was
-# kept unsharded, or is listed twice) is passed over rather than ending the run: a unit kept unsharded may run a
-# different number of times on different ranks, and every rank must gather the same groups (see also [Note: The
-# orders hold units that gather]). Those are in ``root.gathered_ahead`` until their own pre-forward
-# or pre-backward (or a reshard): their prefetch is issued already, so none is issued for them, and a forward that
-# leaves the learned order reshards them with the prefetched unit.
-_MAX_GATHERED_TOGETHER = 16
-
-
-def _gather_group(root: RootState, first: UnitState, following: Iterable[UnitState],
-                  backward: bool) -> list[UnitState] | None:
-    """``first`` (a prefetch's unit) with the units of ``following`` that may come along, or None if none can (see
-    [Note: Gathering small units together])."""
-    total = first.gather_bytes
-    group = [first]
-    for u in following:
-        if not u.placeholders_set or u in group:  # (run already and kept, or a repeat: nothing to gather, see below)
-            continue
-        total += u.gather_bytes
-        if (total > root.gather_together_bytes or len(group) == _MAX_GATHERED_TOGETHER or u.root is not root
-                or u.replicated or u in root.gathered_ahead or u.config.post_forward_group is not None
-                or (backward and not has_pending_uses(u))):
-            break
-        group.append(u)
-    return group if len(group) > 1 else None
-
-
-def _unshard_group(root: RootState, group: list[UnitState]) -> None:
-    """Gathers ``group`` together (see [Note: Gathering small units together]); remembers those that came along."""
-    gathered = root.scheduler.unshard_together([u.handle for u in group])
-    root.gathered_ahead.update(group[:gathered])
-
-
-def _prefetch(root: RootState, units: list[UnitState]) -> None:
-    """fully_shard's explicit prefetch (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``): the
-    units' all-gathers issued now, after this unit's own (a no-op for one already gathered)."""
-    for t in units:
-        if t.handle is not None and t.root is root:
-            root.scheduler.unshard(t.handle)
 
 
 def frees_after_forward(s: UnitState) -> bool:
@@ -645,7 +544,7 @@ def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any
         return output
     order = root.post_forward_order
     index = len(order)
-    if s.handle is not None:  # see [Note: The orders hold units that gather]
+    if s.handle is not None:  # see [Note: The orders hold units that gather] in _prefetch.py
         order.append(s)
     if use is not None:
         use.order, use.index = order, index
@@ -771,15 +670,6 @@ def has_pending_uses(s: UnitState) -> bool:
     return False
 
 
-def _backward_prefetch_target(order: list[UnitState], index: int) -> _C.FlatParamHandle | None:
-    """The handle of ``order[index]`` if it is sharded (its modules hold the placeholders) and a use of it
-    is still to run its backward (see [Note: Pending uses])."""
-    if not 0 <= index < len(order):
-        return None
-    s = order[index]
-    return s.handle if s.handle is not None and s.placeholders_set and has_pending_uses(s) else None
-
-
 # ------------------------------------------------------------------ backward
 
 
@@ -860,23 +750,17 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
         if root.gathered_ahead:
             root.gathered_ahead.discard(s)
         explicit = s.backward_prefetch_to
-        ahead = (_backward_prefetch_target(order, index - 1)
-                 if s.config.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and explicit is None else None)
-        group = None
-        if ahead is not None and root.gather_together_bytes:
-            t = order[index - 1]
-            if t in root.gathered_ahead:
-                ahead = None  # gathered with an earlier prefetch
-            elif not t.replicated:
-                group = _gather_group(root, t, (order[i] for i in range(index - 2, -1, -1)), True)
+        ahead, group = (_prefetch.backward(root, order, index - 1)
+                        if s.config.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and explicit is None
+                        else (None, None))
         # Resharded after forward: recomputation needs real views. One crossing (see forward()).
-        views = root.scheduler.wait_for_unshard(s.handle, None if group else ahead, views=s.placeholders_set)
+        views = root.scheduler.wait_for_unshard(s.handle, ahead, views=s.placeholders_set)
         if group:
-            _unshard_group(root, group)
+            _prefetch.unshard_group(root, group)
         if views is not None:
             hand_out_views(s, views)
         if explicit:
-            _prefetch(s.root, explicit)
+            _prefetch.explicit(s.root, explicit)
 
 
 def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -903,7 +787,7 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
     reduce = done and s.sync_gradients
     reshard_unit = done and s.reshards_after_backward
     hooked = reduce and s.comm_hook is not None
-    ahead = (_backward_prefetch_target(use.order, use.index - 1)
+    ahead = (_prefetch.backward_target(use.order, use.index - 1)
              if done and s.config.backward_prefetch == BackwardPrefetch.BACKWARD_POST else None)
     # (tensor-parallel partial gradients: all-reduced over TP before the reduction, see [Note: Partial gradients of
     # tensor-parallel parameters] in _tensor_parallel.py)
