@@ -214,10 +214,12 @@ def test_a_dead_peer_is_named_not_called_a_divergence(where):
     assert done.returncode == 0, done.stderr[-4000:]
     outs = {o["rank"]: o for o in map(json.loads, filter(lambda line: line.startswith("{"), done.stdout.splitlines()))}
     assert outs[2]["status"] == -signal.SIGKILL, outs[2]
+    both = "\n".join(f"--- rank {r}: exit {outs[r]['status']}\n{outs[r]['output'][-3000:]}" for r in (0, 1))
     for rank in (0, 1):
         out, code = outs[rank]["output"], outs[rank]["status"]
+        # (both survivors' outputs on a failure: a rank named gone by its peer's roll call tells why in its own)
         assert code == 3 and "PeerGoneError: flatshard: rank" in out and "rank 2 is gone (its connection closed" in out, \
-            f"rank {rank}: exit {code}\n{out[-3000:]}"
+            f"rank {rank} failed the check\n{both}"
 
 
 def _state_dict_on_rank_0_only(rank, world_size):
