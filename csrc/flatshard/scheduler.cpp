@@ -170,10 +170,7 @@ void Scheduler::unshard(FlatParamHandle& unit) {
     unit.set_state(ShardedState::kUnsharded);
     return;
   }
-  if (limiter_.would_block()) {
-    RECORD_USER_SCOPE(kRateLimitWait);
-    limiter_.acquire();
-  }
+  make_room_for_all_gather();
   RECORD_USER_SCOPE(unit.all_gather_range());
   const c10::Stream compute = current_stream();
   stream_wait(all_gather_stream_, compute);
@@ -196,9 +193,26 @@ void Scheduler::unshard(FlatParamHandle& unit) {
     unit.count_collective(FlatParamHandle::kGathered, static_cast<std::int64_t>(input.nbytes()));
     work = std::make_shared<CommWork>(group.all_gather(output, input));
   }
-  if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
-  all_gathers_[&unit] = std::move(work);
-  unit.set_state(ShardedState::kUnsharding);
+  track_all_gather({&unit}, std::move(work));
+}
+
+void Scheduler::make_room_for_all_gather() {
+  if (limiter_.would_block()) {
+    RECORD_USER_SCOPE(kRateLimitWait);
+    limiter_.acquire();
+  }
+}
+
+void Scheduler::track_all_gather(const std::vector<FlatParamHandle*>& units, std::shared_ptr<CommWork> work) {
+  if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));  // one fence for the collective
+  // (With events the fence is recorded at reshard: a group's at its last unit's, see [Note: Small units gathered
+  // together].)
+  auto left = units.size() > 1 && has_events_ ? std::make_shared<std::int64_t>(units.size()) : nullptr;
+  for (FlatParamHandle* unit : units) {
+    all_gathers_[unit] = work;
+    if (left) gathered_together_[unit] = left;
+    unit->set_state(ShardedState::kUnsharding);
+  }
 }
 
 void Scheduler::set_coalesce_bytes(std::int64_t bytes) {
@@ -233,10 +247,7 @@ std::int64_t Scheduler::unshard_together(const std::vector<FlatParamHandle*>& un
     return 1;
   }
   reap_completed_reductions();
-  if (limiter_.would_block()) {
-    RECORD_USER_SCOPE(kRateLimitWait);
-    limiter_.acquire();
-  }
+  make_room_for_all_gather();
   RECORD_USER_SCOPE(first.all_gather_range());
   Collectives& collectives = groups_of(first).shard;
   std::size_t input_bytes = 0;
@@ -266,13 +277,7 @@ std::int64_t Scheduler::unshard_together(const std::vector<FlatParamHandle*>& un
   for (std::size_t i = 0; i < group.size(); ++i) {
     group[i]->count_collective(FlatParamHandle::kGathered, static_cast<std::int64_t>(inputs[i].nbytes()));
   }
-  if (!has_events_) limiter_.record_free(std::make_unique<WorkFence>(work));
-  auto left = std::make_shared<std::int64_t>(static_cast<std::int64_t>(group.size()));
-  for (FlatParamHandle* unit : group) {
-    all_gathers_[unit] = work;
-    if (has_events_) gathered_together_[unit] = left;
-    unit->set_state(ShardedState::kUnsharding);
-  }
+  track_all_gather(group, std::move(work));
   return static_cast<std::int64_t>(group.size());
 }
 
@@ -402,10 +407,7 @@ void Scheduler::reduce_deferred() {
 
 void Scheduler::issue_reduction(FlatParamHandle& unit, at::Tensor flat_grad) {
   const double predivide = unit.predivide();
-  const bool all_reduce_replicas = unit.all_reduce_replicas();
-  GroupPair& groups = groups_of(unit);
-  TORCH_CHECK(!all_reduce_replicas || groups.replicate.has_value(), "flatshard: unit '", unit.name(),
-              "' asks for a replica all-reduce but the scheduler has no replicate group");
+  GroupPair& groups = groups_of(unit);  // (its replicate group checked by reduce_grad)
   make_room_for_reduction();  // see [Note: Reductions in flight]
   PendingReduction record{&unit, std::move(flat_grad), at::Tensor(), CommWork(), CommWork()};
   const c10::Stream compute = current_stream();

@@ -114,9 +114,11 @@ class Scheduler {
   // collective, each into its own unsharded buffer. Nothing else changes: each unit is waited for, copied out,
   // resharded and reduced as alone, and its buffer is only allocated earlier, by up to coalesce_bytes() in all.
   // The rate limiter counts the group as one all-gather (one fence: the collective's completion on the CPU,
-  // the reshard of the group's last unit on devices with events). Ranks choose the same groups: the units'
-  // states and sizes are the same everywhere. A no-op unless `units[0]` is sharded (a prefetch of a unit whose
-  // gather is in flight); with coalesce_bytes() == 0 (the default) or no second unit to take, unshard(units[0]).
+  // the reshard of the group's last unit on devices with events). Ranks choose the same groups as long as they pass
+  // the same candidates (the front-end's part: see [Note: The orders hold units that gather] in
+  // python/flatshard/_prefetch.py) and their states and sizes are the same. A no-op unless `units[0]` is sharded
+  // (a prefetch of a unit whose gather is in flight); with coalesce_bytes() == 0 (the default) or no second unit to
+  // take, unshard(units[0]).
   // Returns how many units, from `units[0]` on, it gathered (0, 1 or more). The front-end chooses the candidates
   // and the bytes (python/flatshard/_prefetch.py's _gather_group).
   std::int64_t unshard_together(const std::vector<FlatParamHandle*>& units);
@@ -282,6 +284,10 @@ class Scheduler {
   // the group's free fence is recorded at the last one's reshard), shared by the group's units.
   std::unordered_map<const FlatParamHandle*, std::shared_ptr<std::int64_t>> gathered_together_;
   bool joins_group(const FlatParamHandle& unit, const FlatParamHandle& first) const;
+  // The rate limiter's wait before an all-gather (see [Note: Rate limiter]).
+  void make_room_for_all_gather();
+  // `units` unsharding by `work` (one collective): its free fence, their pending records and states.
+  void track_all_gather(const std::vector<FlatParamHandle*>& units, std::shared_ptr<CommWork> work);
   std::int64_t coalesce_bytes_ = 0;
   // Completes the oldest shard-group reductions until fewer than max_reductions_in_flight_ are pending.
   void make_room_for_reduction();
