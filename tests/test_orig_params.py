@@ -256,20 +256,25 @@ def _lora_reduction_bytes(rank, world_size, prefix: bool) -> dict:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     # Two ranks' reduce-scatter is an exchange of halves, as is their all-gather (see [Note: Two gloo ranks exchange
-    # halves] in csrc/flatshard/collectives.cpp): gloo's events (on its threads, started in the order issued) are
-    # paired in order with flatshard's ranges that issued them, and a reduce-scatter's all-to-all counts as its whole
-    # input (the half it sends, times two).
-    issued = sorted((e["ts"], e["name"].split()[0]) for e in events
-                    if e.get("name", "").split(" ")[0] in ("flatshard::all_gather", "flatshard::reduce_scatter",
-                                                           "flatshard::all_reduce"))
-    wire = sorted((e["ts"], e["name"], e["args"]["Input Dims"][0]) for e in events
-                  if e.get("name", "").startswith("gloo:") and e.get("args", {}).get("Input type")
-                  and e["args"]["Input type"][0] == "float")  # (not the rank-divergence guard's int64 exchanges)
+    # halves] in csrc/flatshard/collectives.cpp), and a reduce-scatter's all-to-all counts as its whole input (the half
+    # it sends, times two). gloo runs collectives on two threads, so its events may start in another order than
+    # flatshard issued them: rather than pair them by time, take out one gloo event per all-gather issued (an
+    # all-gather's input is the unit's shard, whatever the reduction sends), and what is left is what was reduced.
+    issued = [e["name"].partition(" ")[::2] for e in events
+              if e.get("name", "").split(" ")[0] in ("flatshard::all_gather", "flatshard::reduce_scatter",
+                                                     "flatshard::all_reduce")]
+    wire = [(e["name"], e["args"]["Input Dims"][0]) for e in events
+            if e.get("name", "").startswith("gloo:") and e.get("args", {}).get("Input type")
+            and e["args"]["Input type"][0] == "float"]  # (not the rank-divergence guard's int64 exchanges)
     assert len(issued) == len(wire), (issued, wire)
-    reduced = 0
-    for (_, kind), (_, name, dims) in zip(issued, wire):
-        if kind != "flatshard::all_gather":
-            reduced += 4 * (dims[0] if dims else 1) * (world_size if name == "gloo:all_to_all" else 1)
+    shard_numel = {u._unit_state.name: u._unit_state.handle.layout.padded_numel // world_size for u in units}
+    for kind, unit in issued:
+        if kind == "flatshard::all_gather":
+            gathered = ("gloo:all_to_all" if world_size == 2 else "gloo:all_gather", [shard_numel[unit]])
+            assert gathered in wire, (unit, gathered, wire)
+            wire.remove(gathered)
+    reduced = sum(4 * (dims[0] if dims else 1) * (world_size if name == "gloo:all_to_all" else 1)
+                  for name, dims in wire)
     return {"reduced": reduced, "trainable": trainable, "whole": whole, "units": len(units)}
 
 
