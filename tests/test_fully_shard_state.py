@@ -144,11 +144,20 @@ def _shards_moved(rank: int, world_size: int) -> tuple[list[float], list[float],
             s = unit._unit_state
             s.flat_param.data = s.flat_param.data.clone()
             _runtime.after_shard_cast(s)
-    follows = all(p.to_local().untyped_storage().data_ptr() == unit._unit_state.flat_param.untyped_storage().data_ptr()
-                  for unit in units for p in unit.parameters(recurse=False))
+    follows = all(_on_the_shard(unit._unit_state) for unit in units)
     losses += _steps(model, opt, range(2, 4), rank, world_size)
     reference = _build("torch", "reshard_after_forward=None")
     return losses, _steps(reference, torch.optim.Adam(reference.parameters(), lr=LR), range(4), rank, world_size), follows
+
+
+def _on_the_shard(s) -> bool:
+    """Whether each DTensor parameter's local tensor is its rows of the unit's current shard (same memory)."""
+    from flatshard._dtensor_params import _rows
+
+    flat = s.flat_param
+    return bool(s.orig_params) and all(
+        p.to_local().data_ptr() == flat.data_ptr() + start * flat.element_size()
+        for p, (start, *_rest) in zip(s.orig_params, _rows(s)))
 
 
 def test_shards_moved_and_replaced_train_on_as_torch():
@@ -270,3 +279,100 @@ def test_forward_prefetch_follows_the_training_order_and_frees_what_did_not_run(
         # Block 0 runs in steps 1, 2, 4, 5: prefetched from a learned order that has block 1 after it (step 1: none
         # learned yet; step 4: step 3's order, without block 0)
         assert seen == [False, True, False, True], f"rank {rank}: block 1 gathered at block 0's pre-forward: {seen}"
+
+
+def _shard_shape(impl: str, shape: str) -> nn.Module:
+    """A model of ``shape`` (see models.SHAPES) with ``fully_shard`` on each module its class wraps, innermost first,
+    then on the root, as FSDP2's users apply it."""
+    from models import SHAPES, build_shape
+
+    if impl == "flatshard":
+        from flatshard import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    model = build_shape(shape)
+    kinds = tuple(SHAPES[shape][1])
+    for m in reversed(list(model.modules())):
+        if m is not model and isinstance(m, kinds):
+            fully_shard(m)
+    return fully_shard(model)
+
+
+def _train_step(model: nn.Module, rank: int, seed: int) -> float:
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * seed + rank))
+    loss = model(x).square().mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+                p.grad = None
+    return loss.item()
+
+
+def _saved_with_torch_save(rank: int, world_size: int) -> dict:
+    """On every model shape, for flatshard's fully_shard and torch's: one step, ``torch.save(model.state_dict())``
+    and ``copy.deepcopy`` of it, what the file holds, and a fresh model (other weights) that loads the file with
+    ``load_state_dict`` and steps on."""
+    import copy
+    import io
+
+    from torch.distributed.tensor import DTensor
+
+    from models import SHAPES
+
+    out = {}
+    for shape in SHAPES:
+        for impl in ("torch", "flatshard"):
+            model = _shard_shape(impl, shape)
+            _train_step(model, rank, 0)
+            state = model.state_dict()
+            buffer = io.BytesIO()
+            try:
+                torch.save(state, buffer)
+                copied = copy.deepcopy(state)
+            except RuntimeError as error:
+                out[shape, impl] = {"error": str(error)}
+                continue
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=False)
+            with torch.random.fork_rng():
+                torch.manual_seed(7)
+                fresh = _shard_shape(impl, shape)
+                for p in fresh.parameters():
+                    p.data.uniform_()
+            fresh.load_state_dict(loaded)
+            out[shape, impl] = {
+                "bytes": buffer.getbuffer().nbytes,
+                "loaded": {k: (type(v).__name__, str(getattr(v, "placements", "")), (v.to_local() if isinstance(
+                    v, DTensor) else v).tolist()) for k, v in loaded.items()},
+                "copied_equal": all(torch.equal(copied[k].full_tensor() if isinstance(v, DTensor) else copied[k],
+                                                v.full_tensor() if isinstance(v, DTensor) else v)
+                                    for k, v in state.items()),
+                "went_on": [_train_step(model, rank, 1), _train_step(model, rank, 2)],
+                "resumed": [_train_step(fresh, rank, 1), _train_step(fresh, rank, 2)],
+            }
+    return out
+
+
+def test_torch_save_of_the_state_dict_round_trips_as_torch_fsdp2():
+    """``torch.save(model.state_dict())`` and ``copy.deepcopy`` of it (a per-rank checkpoint, a best-model snapshot)
+    work as with torch's FSDP2 on every model shape (parameters of the root's own module, leaf units, units under a
+    plain parent, a nested unit, padded units, a parameter of one row that some ranks hold nothing of): the file
+    holds torch's values, placements and types, no more bytes than torch's (each parameter's own, not its unit's
+    shard; see [Note: A parameter's local tensor has a storage of its own] in _dtensor_params.py), and a fresh model
+    that loads it goes on as the saved one does, bit for bit, and as torch's."""
+    from flatshard.testing import run_distributed
+
+    for rank, got in enumerate(run_distributed(_saved_with_torch_save, 2, timeout=120)):
+        for (shape, impl), case in got.items():
+            if impl != "flatshard":
+                continue
+            torch_case = got[shape, "torch"]
+            where = f"rank {rank}, shape {shape}"
+            assert "error" not in case, f"{where}: {case['error']}"
+            assert "error" not in torch_case, f"{where}: torch's FSDP2 failed: {torch_case['error']}"
+            assert case["loaded"] == torch_case["loaded"], where
+            assert case["bytes"] <= torch_case["bytes"], (where, case["bytes"], torch_case["bytes"])
+            assert case["copied_equal"], where
+            assert case["resumed"] == case["went_on"] == torch_case["went_on"], (where, case, torch_case["went_on"])

@@ -81,6 +81,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tensors"), py::arg("layout"));
   m.def("views_of", &FlatParamHandle::views_of, py::arg("flat"), py::arg("layout"));
+  m.def("alias_with_own_storage", &FlatParamHandle::alias_with_own_storage, py::arg("view"));
 
   py::enum_<flatshard::ShardedState>(m, "ShardedState")
       .value("SHARDED", flatshard::ShardedState::kSharded)

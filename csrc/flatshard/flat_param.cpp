@@ -4,6 +4,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
@@ -124,6 +125,14 @@ std::vector<at::Tensor> FlatParamHandle::views_of(const at::Tensor& flat, const 
     views.push_back(flat.narrow(0, layout.offsets()[i], layout.numels()[i]).view(layout.shapes()[i]));
   }
   return views;
+}
+
+at::Tensor FlatParamHandle::alias_with_own_storage(const at::Tensor& view) {
+  TORCH_CHECK(view.defined() && view.layout() == c10::kStrided && !view.is_meta(),
+              "flatshard.alias_with_own_storage: expected a strided tensor with memory");
+  // The deleter holds the storage the memory belongs to: freed when the last of its tensors and aliases goes.
+  c10::Storage owner = view.storage();
+  return at::from_blob(view.data_ptr(), view.sizes(), view.strides(), [owner](void*) {}, view.options());
 }
 
 FlatParamHandle::FlatParamHandle(std::string name, FlatParamLayout layout, std::int64_t rank,

@@ -36,6 +36,7 @@ class FlatParamLayout:
 
 def flatten(tensors: list[torch.Tensor], layout: FlatParamLayout) -> torch.Tensor: ...
 def views_of(flat: torch.Tensor, layout: FlatParamLayout) -> list[torch.Tensor]: ...
+def alias_with_own_storage(view: torch.Tensor) -> torch.Tensor: ...  # see _dtensor_params.py
 
 class ShardedState(enum.Enum):
     SHARDED = 0

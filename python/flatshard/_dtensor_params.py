@@ -31,6 +31,7 @@ from weakref import ref
 import torch
 from torch import nn
 
+from flatshard import _C
 from flatshard._common import OWNER_ATTR
 
 if TYPE_CHECKING:
@@ -61,6 +62,24 @@ def local_views(s: UnitState, flat: torch.Tensor) -> list[torch.Tensor]:
     half the host time of a slice and a view: this runs for every unit after every backward)."""
     base = flat.storage_offset()
     return [flat.as_strided(shape, strides, base + start) for start, _numel, shape, _dim, strides in _rows(s)]
+
+
+# [Note: A parameter's local tensor has a storage of its own]
+# A DTensor is a wrapper without memory whose ``storage_offset()`` is its local tensor's, and so is every DTensor
+# that an op on it makes (``detach()``, which ``state_dict()`` calls; ``.data``). torch 2.13's pickler and
+# ``__deepcopy__`` tell such a wrapper from a tensor with memory by ``data_ptr() == 0``, which an offset above 0
+# breaks: ``torch.save(model.state_dict())`` and ``copy.deepcopy`` of it raised "invalid python storage" for every
+# parameter but the first of a unit (found by a new user's trial, 2026-11-28). torch's FSDP2 gives each parameter a
+# padded shard of its own, so its local tensors start at offset 0. Ours are the parameter's rows of the unit's one
+# shard (see [Note: DTensor parameters]); each is made an alias of those rows over a storage of its own
+# (``_C.alias_with_own_storage``, which keeps the shard's storage alive): offset 0, the same memory, so that an
+# optimizer's step still lands in the shard the next all-gather sends, and ``torch.save`` writes the parameter's own
+# bytes (not its whole unit's, as a view would). Gradients stay views of the gradient shard, as torch's FSDP2's are
+# (``torch.save(p.grad)`` fails on both alike).
+def param_locals(s: UnitState) -> list[torch.Tensor]:
+    """Each parameter's local tensor: its rows of the unit's shard, over a storage of its own (see the Note)."""
+    alias = _C.alias_with_own_storage
+    return [alias(view) for view in local_views(s, s.flat_param.detach())]
 
 
 def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
@@ -94,7 +113,7 @@ def init(s: UnitState, params: list[nn.Parameter]) -> None:
     # (the parameters that were DTensors over a TP mesh, by index from now on)
     s.tp_params = {i: s.tp_params[id(p)] for i, p in enumerate(params) if id(p) in s.tp_params}
     sharded = []
-    for index, (p, local) in enumerate(zip(params, local_views(s, s.flat_param.detach()))):
+    for index, (p, local) in enumerate(zip(params, param_locals(s))):
         shape = list(s.tp_params[index].shape) if index in s.tp_params else list(p.shape)
         sharded.append(nn.Parameter(_as_dtensor(s, index, local, shape), requires_grad=p.requires_grad))
     for m, attr, index in s.param_slots:
@@ -112,7 +131,7 @@ def use_sharded_views(s: UnitState) -> None:
     """The DTensor parameters hold views of the shard from ``init`` on; after the shard itself was replaced (moved
     to the host and back: ``move_shards_to_host``), each is swapped onto its rows of the new one, whole (its
     identity kept, so that an optimizer's references stay valid)."""
-    for index, (p, view) in enumerate(zip(s.orig_params, local_views(s, s.flat_param.detach()))):
+    for index, (p, view) in enumerate(zip(s.orig_params, param_locals(s))):
         local = p._local_tensor
         if local.data_ptr() != view.data_ptr() or local.device != view.device:
             torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, index, view, list(p.shape)),
@@ -176,7 +195,7 @@ def rebind(s: UnitState) -> None:
     lazy init too, as torch's FSDP2 does): the values into the shard, the parameters back onto it. A replacing
     parameter is adopted, as torch's FSDP2 adopts it: that object becomes the unit's parameter (its tensor now the
     shard's rows), so an optimizer built on the module's parameters after the replacement steps the shard."""
-    views = local_views(s, s.flat_param.detach())
+    views = param_locals(s)
     for m, attr, index in s.param_slots:
         current, ours = m._parameters.get(attr), s.orig_params[index]
         if current is None or current is ours or not isinstance(current, nn.Parameter):  # (a plain view: unsharded)

@@ -501,3 +501,25 @@ TEST(FlatParamHandle, RejectsMismatchedShapesAndNamesTheUnit) {
     EXPECT_NE(std::string(e.what()).find("unit 'blocks.3'"), std::string::npos);
   }
 }
+
+TEST(FlatParamHandle, AliasWithOwnStorageSharesMemoryAndKeepsItsOwnerAlive) {
+  at::Tensor alias;
+  const float* memory = nullptr;
+  {
+    at::Tensor shard = at::arange(12, at::kFloat);
+    at::Tensor rows = shard.narrow(0, 4, 6).view({3, 2});
+    memory = rows.const_data_ptr<float>();
+    alias = FlatParamHandle::alias_with_own_storage(rows);
+    EXPECT_EQ(alias.storage_offset(), 0);
+    EXPECT_EQ(alias.storage().nbytes(), 6 * sizeof(float));  // its own elements, not the whole shard
+    EXPECT_EQ(alias.sizes(), rows.sizes());
+    EXPECT_EQ(alias.strides(), rows.strides());
+    EXPECT_EQ(alias.const_data_ptr<float>(), memory);
+    alias.mul_(2);  // (an optimizer's in-place step lands in the shard)
+    EXPECT_EQ(shard[4].item<float>(), 8.0F);
+    EXPECT_EQ(shard[3].item<float>(), 3.0F);
+  }
+  // The shard's last tensor is gone; its memory lives on with the alias.
+  EXPECT_EQ(alias.const_data_ptr<float>(), memory);
+  EXPECT_TRUE(at::equal(alias, at::arange(4, 10, at::kFloat).mul(2).view({3, 2})));
+}
