@@ -285,14 +285,23 @@ def _refusals(rank: int, world_size: int) -> None:
     fully_shard(early)
     early.blocks[0].unshard()  # before any forward: the model's root is set up first (torch's own test does this)
     assert early._unit_state.is_root and not early.blocks[0]._unit_state.is_root
-    assert early.blocks[0].ln1.weight.shape == (16,) and type(early.blocks[0].ln1.weight) is torch.Tensor
+    # Unsharded until a forward, as torch's: nn.Parameters that require grad as the sharded ones do
+    assert early.blocks[0].ln1.weight.shape == (16,) and type(early.blocks[0].ln1.weight) is nn.Parameter
+    assert all(type(p) is nn.Parameter and p.requires_grad for p in early.blocks[0].parameters())
+    assert sum(p.numel() for p in early.blocks[0].parameters()) == sum(p.numel() for p in make_gpt(
+        vocab=VOCAB, seq=SEQ).blocks[0].parameters())
     early.blocks[0].reshard()
     early(torch.zeros(2, SEQ, dtype=torch.long))
+    early.blocks[0].ln1.weight.requires_grad_(False)  # (a frozen one stays frozen unsharded)
     handle = early.blocks[0].unshard(async_op=True)
     handle.wait()
-    assert early.blocks[0].ln1.weight.shape == (16,) and type(early.blocks[0].ln1.weight) is torch.Tensor
+    assert early.blocks[0].ln1.weight.shape == (16,) and type(early.blocks[0].ln1.weight) is nn.Parameter
+    assert not early.blocks[0].ln1.weight.requires_grad and early.blocks[0].ln1.bias.requires_grad
+    early.blocks[0].unshard()  # (unsharded already: nothing changes, as torch's)
+    assert not early.blocks[0].ln1.weight.requires_grad
     early.blocks[0].reshard()
     assert type(early.blocks[0].ln1.weight).__name__ == "DTensor"
+    early.blocks[0].ln1.weight.requires_grad_(True)
     early.reshard()  # (the root keeps its parameters after forward, registered unsharded: as torch's)
     before = [p.to_local().clone() for p in early.parameters()]
     with pytest.raises(NotImplementedError, match=r"moving FSDPGPT to meta after fully_shard is not supported"):

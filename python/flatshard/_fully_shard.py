@@ -257,7 +257,12 @@ class FSDPModule(TorchFSDPModule):
         if s.is_root is None:
             _runtime.lazy_init(_outermost_unit_around(self))
         if s.handle is not None:
-            _runtime.set_views(s, s.root.scheduler.wait_for_unshard(s.handle, None, views=True))
+            views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set)
+            if views is not None:  # (else unsharded already, its parameters on the modules: a forward's views kept)
+                # Until a forward puts its autograd views there: nn.Parameters as torch's (which code that counts
+                # the trainable parameters between unshard() and forward reads), over the same memory.
+                _runtime.set_views(s, [nn.Parameter(v, requires_grad=p.requires_grad)
+                                       for v, p in zip(views, s.orig_params)])
         return UnshardHandle() if async_op else None
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
