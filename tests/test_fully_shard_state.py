@@ -336,6 +336,16 @@ def _saved_with_torch_save(rank: int, world_size: int) -> dict:
                 continue
             buffer.seek(0)
             loaded = torch.load(buffer, weights_only=False)
+            with torch.no_grad():  # the values share the parameters' memory, as torch's detach() does
+                for p in model.parameters():
+                    p.to_local().mul_(2)
+                shares = all(torch.equal(state[name.replace("_checkpoint_wrapped_module.", "")].to_local(),
+                                         p.to_local()) for name, p in model.named_parameters())
+                for p in model.parameters():
+                    p.to_local().div_(2)
+                for value in state.values():  # (a value moved to shared memory: the model must train on as before)
+                    if isinstance(value, DTensor):
+                        value.to_local().share_memory_()
             with torch.random.fork_rng():
                 torch.manual_seed(7)
                 fresh = _shard_shape(impl, shape)
@@ -349,6 +359,7 @@ def _saved_with_torch_save(rank: int, world_size: int) -> dict:
                 "copied_equal": all(torch.equal(copied[k].full_tensor() if isinstance(v, DTensor) else copied[k],
                                                 v.full_tensor() if isinstance(v, DTensor) else v)
                                     for k, v in state.items()),
+                "shares": shares,
                 "went_on": [_train_step(model, rank, 1), _train_step(model, rank, 2)],
                 "resumed": [_train_step(fresh, rank, 1), _train_step(fresh, rank, 2)],
             }
@@ -360,8 +371,9 @@ def test_torch_save_of_the_state_dict_round_trips_as_torch_fsdp2():
     work as with torch's FSDP2 on every model shape (parameters of the root's own module, leaf units, units under a
     plain parent, a nested unit, padded units, a parameter of one row that some ranks hold nothing of): the file
     holds torch's values, placements and types, no more bytes than torch's (each parameter's own, not its unit's
-    shard; see [Note: A parameter's local tensor has a storage of its own] in _dtensor_params.py), and a fresh model
-    that loads it goes on as the saved one does, bit for bit, and as torch's."""
+    shard; see [Note: A state dict's tensors have storages of their own] in _dtensor_params.py), the values share the
+    parameters' memory as torch's, moving them to shared memory leaves training as it was, and a fresh model that
+    loads the file goes on as the saved one does, bit for bit, and as torch's."""
     from flatshard.testing import run_distributed
 
     for rank, got in enumerate(run_distributed(_saved_with_torch_save, 2, timeout=120)):
@@ -375,4 +387,5 @@ def test_torch_save_of_the_state_dict_round_trips_as_torch_fsdp2():
             assert case["loaded"] == torch_case["loaded"], where
             assert case["bytes"] <= torch_case["bytes"], (where, case["bytes"], torch_case["bytes"])
             assert case["copied_equal"], where
+            assert case["shares"] and torch_case["shares"], where
             assert case["resumed"] == case["went_on"] == torch_case["went_on"], (where, case, torch_case["went_on"])

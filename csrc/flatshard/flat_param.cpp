@@ -132,7 +132,9 @@ at::Tensor FlatParamHandle::alias_with_own_storage(const at::Tensor& view) {
               "flatshard.alias_with_own_storage: expected a strided tensor with memory");
   // The deleter holds the storage the memory belongs to: freed when the last of its tensors and aliases goes.
   c10::Storage owner = view.storage();
-  return at::from_blob(view.data_ptr(), view.sizes(), view.strides(), [owner](void*) {}, view.options());
+  // (The device given, not looked up from the pointer: an empty view's may be null.)
+  return at::from_blob(view.data_ptr(), view.sizes(), view.strides(), [owner](void*) {}, view.options(),
+                       view.device());
 }
 
 FlatParamHandle::FlatParamHandle(std::string name, FlatParamLayout layout, std::int64_t rank,

@@ -139,8 +139,8 @@ class FlatParamHandle {
   // Views of `flat` (1-D, padded_numel long) shaped as the original parameters.
   static std::vector<at::Tensor> views_of(const at::Tensor& flat, const FlatParamLayout& layout);
   // `view`'s elements as a tensor over a storage of its own (storage_offset 0, exactly their bytes) that aliases
-  // view's memory and keeps view's storage alive: what a fully_shard parameter's local tensor is (see [Note: A
-  // parameter's local tensor has a storage of its own] in python/flatshard/_dtensor_params.py).
+  // view's memory and keeps view's storage alive: a fully_shard state dict's local tensors (see [Note: A state
+  // dict's tensors have storages of their own] in python/flatshard/_dtensor_params.py).
   static at::Tensor alias_with_own_storage(const at::Tensor& view);
 
   const std::string& name() const { return name_; }

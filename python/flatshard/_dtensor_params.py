@@ -64,22 +64,35 @@ def local_views(s: UnitState, flat: torch.Tensor) -> list[torch.Tensor]:
     return [flat.as_strided(shape, strides, base + start) for start, _numel, shape, _dim, strides in _rows(s)]
 
 
-# [Note: A parameter's local tensor has a storage of its own]
+# [Note: A state dict's tensors have storages of their own]
 # A DTensor is a wrapper without memory whose ``storage_offset()`` is its local tensor's, and so is every DTensor
-# that an op on it makes (``detach()``, which ``state_dict()`` calls; ``.data``). torch 2.13's pickler and
-# ``__deepcopy__`` tell such a wrapper from a tensor with memory by ``data_ptr() == 0``, which an offset above 0
-# breaks: ``torch.save(model.state_dict())`` and ``copy.deepcopy`` of it raised "invalid python storage" for every
-# parameter but the first of a unit (found by a new user's trial, 2026-11-28). torch's FSDP2 gives each parameter a
-# padded shard of its own, so its local tensors start at offset 0. Ours are the parameter's rows of the unit's one
-# shard (see [Note: DTensor parameters]); each is made an alias of those rows over a storage of its own
-# (``_C.alias_with_own_storage``, which keeps the shard's storage alive): offset 0, the same memory, so that an
-# optimizer's step still lands in the shard the next all-gather sends, and ``torch.save`` writes the parameter's own
-# bytes (not its whole unit's, as a view would). Gradients stay views of the gradient shard, as torch's FSDP2's are
-# (``torch.save(p.grad)`` fails on both alike).
-def param_locals(s: UnitState) -> list[torch.Tensor]:
-    """Each parameter's local tensor: its rows of the unit's shard, over a storage of its own (see the Note)."""
+# that an op on it makes (``detach()``, which ``state_dict()`` calls). torch 2.13's pickler and ``__deepcopy__`` tell
+# such a wrapper from a tensor with memory by ``data_ptr() == 0``, which an offset above 0 breaks:
+# ``torch.save(model.state_dict())`` and ``copy.deepcopy`` of it raised "invalid python storage" for every parameter
+# but the first of a unit (found by a new user's trial, 2026-11-28), and the first one saved its whole unit's shard.
+# torch's FSDP2 gives each parameter a padded shard of its own; ours are the parameter's rows of the unit's one shard
+# (see [Note: DTensor parameters]), and stay so: a parameter whose memory were a storage of its own could be moved
+# away from the shard by anything that swaps a storage's memory (``share_memory_()``, a tensor put on a
+# torch.multiprocessing queue), and training would go on silently wrong. So each fully_shard module's state-dict
+# post-hook (``own_storages``) rebuilds the values that are such views over an alias of the same memory with a
+# storage of its own (``_C.alias_with_own_storage``, which keeps the shard's storage alive): offset 0, so that
+# ``torch.save`` writes the parameter's own bytes and ``copy.deepcopy`` copies them, while the value still shares the
+# parameter's memory, as torch's ``detach()`` does (an optimizer's step shows in it; DCP loads into it). What swaps a
+# state dict value's memory takes that value away from the parameter, not the parameter away from the shard.
+# ``keep_vars=True`` state dicts hold the parameters themselves, unchanged. Gradients are views of the gradient
+# shard, as torch's FSDP2's are (``torch.save(p.grad)`` fails on both alike).
+def own_storages(state_dict: dict, prefix: str) -> None:
+    """Each DTensor value under ``prefix`` whose local tensor is a view into a larger storage, rebuilt over an alias
+    with a storage of its own (see the Note)."""
     alias = _C.alias_with_own_storage
-    return [alias(view) for view in local_views(s, s.flat_param.detach())]
+    for key, value in state_dict.items():
+        if not key.startswith(prefix) or type(value) is not _DTensor:  # (a Parameter: keep_vars; or not ours)
+            continue
+        local = value._local_tensor
+        if local.storage_offset() == 0 and local.untyped_storage().nbytes() == local.numel() * local.element_size():
+            continue  # (its own already: an inner unit's hook saw it)
+        state_dict[key] = (_NEW_DTENSOR(_DTensor, alias(local), value._spec, requires_grad=False)
+                           if _NEW_DTENSOR is not None else _DTensor(alias(local), value._spec, requires_grad=False))
 
 
 def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
@@ -113,7 +126,7 @@ def init(s: UnitState, params: list[nn.Parameter]) -> None:
     # (the parameters that were DTensors over a TP mesh, by index from now on)
     s.tp_params = {i: s.tp_params[id(p)] for i, p in enumerate(params) if id(p) in s.tp_params}
     sharded = []
-    for index, (p, local) in enumerate(zip(params, param_locals(s))):
+    for index, (p, local) in enumerate(zip(params, local_views(s, s.flat_param.detach()))):
         shape = list(s.tp_params[index].shape) if index in s.tp_params else list(p.shape)
         sharded.append(nn.Parameter(_as_dtensor(s, index, local, shape), requires_grad=p.requires_grad))
     for m, attr, index in s.param_slots:
@@ -131,7 +144,7 @@ def use_sharded_views(s: UnitState) -> None:
     """The DTensor parameters hold views of the shard from ``init`` on; after the shard itself was replaced (moved
     to the host and back: ``move_shards_to_host``), each is swapped onto its rows of the new one, whole (its
     identity kept, so that an optimizer's references stay valid)."""
-    for index, (p, view) in enumerate(zip(s.orig_params, param_locals(s))):
+    for index, (p, view) in enumerate(zip(s.orig_params, local_views(s, s.flat_param.detach()))):
         local = p._local_tensor
         if local.data_ptr() != view.data_ptr() or local.device != view.device:
             torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, index, view, list(p.shape)),
@@ -195,7 +208,7 @@ def rebind(s: UnitState) -> None:
     lazy init too, as torch's FSDP2 does): the values into the shard, the parameters back onto it. A replacing
     parameter is adopted, as torch's FSDP2 adopts it: that object becomes the unit's parameter (its tensor now the
     shard's rows), so an optimizer built on the module's parameters after the replacement steps the shard."""
-    views = param_locals(s)
+    views = local_views(s, s.flat_param.detach())
     for m, attr, index in s.param_slots:
         current, ours = m._parameters.get(attr), s.orig_params[index]
         if current is None or current is ours or not isinstance(current, nn.Parameter):  # (a plain view: unsharded)

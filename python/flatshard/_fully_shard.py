@@ -94,6 +94,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         # root after its forward) reshards first, as torch's.
         m.register_state_dict_pre_hook(_reshard_for_state_dict)
         m.register_load_state_dict_pre_hook(_reshard_for_state_dict)
+        # Its values saved and copied as torch's (see [Note: A state dict's tensors have storages of their own]).
+        m.register_state_dict_post_hook(_own_storages)
         m.__class__ = _fsdp_class(type(m))
         _UNITS.add(m)
     return module
@@ -165,6 +167,10 @@ def _outermost_unit_around(module: nn.Module) -> nn.Module:
 
 def _reshard_for_state_dict(module: nn.Module, *_args: Any) -> None:
     module.reshard()
+
+
+def _own_storages(_module: nn.Module, state_dict: dict, prefix: str, _local_metadata: Any) -> None:
+    _dtensor_params.own_storages(state_dict, prefix)
 
 
 def _after_load(module: nn.Module, _incompatible_keys: Any) -> None:
