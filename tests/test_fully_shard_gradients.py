@@ -448,3 +448,84 @@ def test_an_auxiliary_loss_backpropagated_on_its_own_as_torch():
             assert (have is None) == (want is None), f"rank {rank}: {name}: {have} vs torch's {want}"
             if want is not None:
                 torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-8, msg=f"rank {rank}: {name}")
+
+
+class _TiedHead(nn.Module):
+    """An output head that reads another unit's weight (the embedding) through that unit's ``unshard()`` in its
+    forward: weight tying across units, as FSDP2 users write it."""
+
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = [embed]  # (not a submodule)
+        self.bias = nn.Parameter(torch.zeros(embed.num_embeddings))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        embed = self.embed[0]
+        embed.unshard()
+        return h @ embed.weight.t() + self.bias
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.head = _TiedHead(self.embed)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+class _CheckpointedLinear(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.lin, self.reentrant = nn.Linear(4, 4), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda t: torch.relu(self.lin(t)), x, use_reentrant=self.reentrant)
+
+
+def _unshard_by_hand(rank: int, world_size: int) -> dict:
+    """A unit's ``unshard()`` called by the user's code where the runtime does not expect it, torch's FSDP2 and
+    flatshard's on the same models: inside another unit's forward (a tied weight), and from a backward pre-hook of
+    the unit after it (manual backward prefetch) with activation checkpointing (reentrant or not) inside the unit."""
+    out = {}
+    for impl in ("torch", "flatshard"):
+        if impl == "flatshard":
+            from flatshard import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        torch.manual_seed(0)
+        tied = _Tied()
+        fully_shard(tied.embed)
+        fully_shard(tied.head)
+        fully_shard(tied)
+        tied(torch.tensor([[1, 2, 3], [4, 5, 0]])[rank : rank + 1]).square().sum().backward()
+        out[impl, "tied"] = [p.grad.full_tensor() for p in tied.parameters()]
+        for reentrant in (True, False):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), _CheckpointedLinear(reentrant), nn.Linear(4, 2))
+            for m in model:
+                fully_shard(m)
+            fully_shard(model)
+            model[2].register_full_backward_pre_hook(lambda *_, m=model: m[1].unshard())
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+            model(x).square().sum().backward()
+            out[impl, f"prefetch, reentrant={reentrant}"] = [
+                None if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
+    return out
+
+
+def test_unshard_called_by_hand_in_forward_or_backward_keeps_the_gradients_as_torch():
+    """What flows through the parameters a user's ``unshard()`` put on the modules is reduced as the unit's own
+    gradient (before, a weight tied across units lost the head's part, and a unit gathered ahead by hand in backward
+    lost its whole gradient under reentrant checkpointing, silently)."""
+    from flatshard.testing import run_distributed
+
+    for rank, got in enumerate(run_distributed(_unshard_by_hand, 2, timeout=120)):
+        for impl, case in got:
+            if impl == "flatshard":
+                theirs, ours = got["torch", case], got["flatshard", case]
+                assert all(t is not None for t in theirs), (rank, case)
+                assert all(o is not None and torch.equal(o, t) for o, t in zip(ours, theirs)), (rank, case, ours, theirs)

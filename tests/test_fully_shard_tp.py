@@ -214,7 +214,24 @@ def _parity(case: str, meshes: dict) -> list[str]:
                 problems.append(f"{n}: its full tensor differs from torch's")
     if _C.unsharded_bytes() != 0:
         problems.append(f"{_C.unsharded_bytes()} bytes unsharded between iterations")
+    if case == "stack_uneven_1x2":  # after unshard(): the modules' parameters as torch's (DTensor nn.Parameters)
+        seen = [_unsharded_parameters(m) for m in (model, torch_model)]
+        if seen[0] != seen[1]:
+            problems.append(f"after unshard(): {seen[0]} != torch's {seen[1]}")
     return problems
+
+
+def _unsharded_parameters(model: nn.Module) -> list[tuple]:
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.unshard()
+    seen = [(n, type(p).__name__, isinstance(p, nn.Parameter), p.is_leaf, p.requires_grad)
+            for n, p in model.named_parameters()]
+    for m in units:
+        m.reshard()
+    return seen
 
 
 def _interchange(case: str, meshes: dict) -> list[str]:

@@ -264,11 +264,17 @@ class FSDPModule(TorchFSDPModule):
             _runtime.lazy_init(_outermost_unit_around(self))
         if s.handle is not None:
             views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set)
-            if views is not None:  # (else unsharded already, its parameters on the modules: a forward's views kept)
-                # Until a forward puts its autograd views there: nn.Parameters as torch's (which code that counts
-                # the trainable parameters between unshard() and forward reads), over the same memory.
-                _runtime.set_views(s, [nn.Parameter(v, requires_grad=p.requires_grad)
-                                       for v, p in zip(views, s.orig_params)])
+            if views is None:  # unsharded already, its parameters on the modules (a forward's views kept)
+                pass
+            elif s.root.in_forward_call and torch.is_grad_enabled():
+                # Inside the model's forward (another module reading this one's weight: tying across units): views
+                # through a use of their own, whose gradients this unit reduces with its own (see [Note:
+                # Recomputation] in _runtime.py), as torch's FSDP2 reduces the unsharded parameters' .grad.
+                _runtime.hand_out_views(s, views)
+            else:
+                # Until a forward or backward puts its autograd views there: nn.Parameters as torch's (which code
+                # that counts the trainable parameters between unshard() and forward reads), over the same memory.
+                _runtime.set_views(s, views, parameters=True)
         return UnshardHandle() if async_op else None
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:

@@ -277,17 +277,22 @@ def _apply_views(s: UnitState, use: Use, views: list[torch.Tensor]) -> tuple[tor
     return _C_APPLY(s, use, s.flat_param, views)
 
 
-def set_views(state: UnitState, views, placeholders: bool = False) -> None:
+def set_views(state: UnitState, views, placeholders: bool = False, parameters: bool = False) -> None:
     """Puts ``views`` (one per original parameter) on the modules as their parameter attributes;
     with ``use_orig_params`` the placeholders are the registered parameters themselves (see
     [Note: Original parameters] in _orig_params.py): the views that shadowed them go. With
-    ``config.registers_unsharded`` (fully_shard) the views are the registered parameters meanwhile."""
+    ``config.registers_unsharded`` (fully_shard) the views are the registered parameters meanwhile;
+    ``parameters`` (fully_shard's ``unshard()``): as ``nn.Parameter``s that require grad as the sharded ones do,
+    until a forward or backward puts its own views there."""
     state.placeholders_set = placeholders
+    state.explicit_unshard = parameters
     if state.config.registers_unsharded:  # see [Note: fully_shard's parameters are registered, not shadowed]
         if placeholders:
             views = state.orig_params
         elif state.tp_params:  # (see [Note: Tensor-parallel parameters] in _tensor_parallel.py)
             views = _tensor_parallel.as_tp_dtensors(state, views)
+        if parameters:
+            views = [nn.Parameter(v, requires_grad=p.requires_grad) for v, p in zip(views, state.orig_params)]
         for m, attr, index in state.param_slots:
             m._parameters[attr] = views[index]
         return
@@ -704,7 +709,7 @@ def queue_end_of_backward(root: RootState) -> None:
 def _gather_for_inner_backward(s: UnitState) -> None:
     if s.handle is None:
         return
-    views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set)
+    views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set or s.explicit_unshard)
     if views is not None:
         hand_out_views(s, views)
     if not torch.is_grad_enabled() and frees_after_forward(s):
@@ -754,7 +759,7 @@ def pre_backward(s: UnitState, order: list, index: int, _grad: Any = None) -> No
                         if s.config.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and explicit is None
                         else (None, None))
         # Resharded after forward: recomputation needs real views. One crossing (see forward()).
-        views = root.scheduler.wait_for_unshard(s.handle, ahead, views=s.placeholders_set)
+        views = root.scheduler.wait_for_unshard(s.handle, ahead, views=s.placeholders_set or s.explicit_unshard)
         if group:
             _prefetch.unshard_group(root, group)
         if views is not None:

@@ -125,6 +125,7 @@ class UnitState:
         "training_state",
         "uses",  # live uses of the parameters by autograd (see _runtime.Use)
         "placeholders_set",  # whether the modules hold the storage-less placeholders
+        "explicit_unshard",  # whether they hold unshard()'s nn.Parameters: a forward or backward hands out its views
         "gather_bytes",  # the unsharded parameters' bytes (what gathering the unit allocates)
         "sync_gradients",  # False inside no_sync()
         "reshards_after_backward",  # fully_shard's set_reshard_after_backward: False keeps the parameters unsharded
@@ -194,6 +195,7 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self.uses: weakref.WeakSet[Any] = weakref.WeakSet()
         self.placeholders_set = True
+        self.explicit_unshard = False
         self.sync_gradients = True
         self.reshards_after_backward = True
         self.forward_call: Any = None
