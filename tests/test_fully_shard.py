@@ -44,6 +44,7 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
          "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
+         "cast_with_gradients",
          "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook", "half_model", "no_forward_prefetch",
          "hsdp_1x2_reduce_scatter_only_all_reduce_hook", "frozen_base_weights_all_reduce_hook",
          "two_reduce_scatters_in_flight", "separate_reduce_scatter_group"]
@@ -221,6 +222,8 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
         else:
             loss = gpt_loss(model, tokens, targets)
             loss.backward()
+        if case == "cast_with_gradients" and step == 0:  # (.float() of an fp32 model with gradients: a no-op, as
+            model.float()  # torch's; a cast to another dtype after the first forward fails in torch's FSDP2 2.13)
         grads = [None if p.grad is None else _local(p.grad).clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad()

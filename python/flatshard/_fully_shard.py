@@ -485,6 +485,15 @@ class FSDPModule(TorchFSDPModule):
                 if flat.grad is not None:
                     flat.grad = flat.grad.to(dtype)
         self.reshard()
+        cast = {id(s) for s, _ in casts}
+        for s in units:
+            # torch's _apply swaps each .grad with what fn made of it (itself, for a no-op .float()), which a weak
+            # reference to it refuses: what the user did to the gradients into the gradient shard first, and the
+            # weak references of [Note: A gradient set to None is freed] (_orig_params.py) dropped, so that the next
+            # backward reads the gradients as the user left them (the cast units': written back above).
+            if id(s) not in cast:
+                _orig_params.write_back_grads(s)
+            s.orig_grads_given = None
         out = super(TorchFSDPModule, self)._apply(fn, recurse)  # (torch's FSDPModule._apply reads torch's state)
         for s in units:
             _dtensor_params.rebind(s)
