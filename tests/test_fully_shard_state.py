@@ -281,17 +281,39 @@ def test_forward_prefetch_follows_the_training_order_and_frees_what_did_not_run(
         assert seen == [False, True, False, True], f"rank {rank}: block 1 gathered at block 0's pre-forward: {seen}"
 
 
+class _TwoOnAPlainModule(nn.Module):
+    """The root unit's two parameters on a plain submodule (``plain``): the second at an offset in the root's shard,
+    for ``plain.state_dict()`` alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.plain = nn.Module()
+        self.plain.a, self.plain.b = nn.Parameter(torch.rand(4) + 0.5), nn.Parameter(torch.rand(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.plain.a + self.plain.b
+
+
+SAVED_SHAPES = {"two_on_a_plain_module": (_TwoOnAPlainModule, (nn.Linear,))}
+
+
 def _shard_shape(impl: str, shape: str) -> nn.Module:
-    """A model of ``shape`` (see models.SHAPES) with ``fully_shard`` on each module its class wraps, innermost first,
-    then on the root, as FSDP2's users apply it."""
+    """A model of ``shape`` (see models.SHAPES, and SAVED_SHAPES) with ``fully_shard`` on each module its class wraps,
+    innermost first, then on the root, as FSDP2's users apply it."""
     from models import SHAPES, build_shape
 
     if impl == "flatshard":
         from flatshard import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
-    model = build_shape(shape)
-    kinds = tuple(SHAPES[shape][1])
+    if shape in SAVED_SHAPES:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = SAVED_SHAPES[shape][0]()
+    else:
+        model = build_shape(shape)
+    kinds = tuple({**SHAPES, **SAVED_SHAPES}[shape][1])
     for m in reversed(list(model.modules())):
         if m is not model and isinstance(m, kinds):
             fully_shard(m)
@@ -322,7 +344,7 @@ def _saved_with_torch_save(rank: int, world_size: int) -> dict:
     from models import SHAPES
 
     out = {}
-    for shape in SHAPES:
+    for shape in [*SHAPES, *SAVED_SHAPES]:
         for impl in ("torch", "flatshard"):
             model = _shard_shape(impl, shape)
             _train_step(model, rank, 0)
@@ -331,6 +353,8 @@ def _saved_with_torch_save(rank: int, world_size: int) -> dict:
             try:
                 torch.save(state, buffer)
                 copied = copy.deepcopy(state)
+                for sub in model.modules():  # (a submodule's own state dict: a unit's, a plain parent's)
+                    torch.save(sub.state_dict(), io.BytesIO())
             except RuntimeError as error:
                 out[shape, impl] = {"error": str(error)}
                 continue
@@ -369,7 +393,8 @@ def _saved_with_torch_save(rank: int, world_size: int) -> dict:
 def test_torch_save_of_the_state_dict_round_trips_as_torch_fsdp2():
     """``torch.save(model.state_dict())`` and ``copy.deepcopy`` of it (a per-rank checkpoint, a best-model snapshot)
     work as with torch's FSDP2 on every model shape (parameters of the root's own module, leaf units, units under a
-    plain parent, a nested unit, padded units, a parameter of one row that some ranks hold nothing of): the file
+    plain parent, a nested unit, padded units, a parameter of one row that some ranks hold nothing of, the root's
+    parameters on a plain submodule, whose own state dict is saved too): the file
     holds torch's values, placements and types, no more bytes than torch's (each parameter's own, not its unit's
     shard; see [Note: A state dict's tensors have storages of their own] in _dtensor_params.py), the values share the
     parameters' memory as torch's, moving them to shared memory leaves training as it was, and a fresh model that

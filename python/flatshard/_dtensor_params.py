@@ -73,26 +73,22 @@ def local_views(s: UnitState, flat: torch.Tensor) -> list[torch.Tensor]:
 # torch's FSDP2 gives each parameter a padded shard of its own; ours are the parameter's rows of the unit's one shard
 # (see [Note: DTensor parameters]), and stay so: a parameter whose memory were a storage of its own could be moved
 # away from the shard by anything that swaps a storage's memory (``share_memory_()``, a tensor put on a
-# torch.multiprocessing queue), and training would go on silently wrong. So each fully_shard module's state-dict
-# post-hook (``own_storages``) rebuilds the values that are such views over an alias of the same memory with a
-# storage of its own (``_C.alias_with_own_storage``, which keeps the shard's storage alive): offset 0, so that
-# ``torch.save`` writes the parameter's own bytes and ``copy.deepcopy`` copies them, while the value still shares the
-# parameter's memory, as torch's ``detach()`` does (an optimizer's step shows in it; DCP loads into it). What swaps a
+# torch.multiprocessing queue), and training would go on silently wrong. So a state-dict post-hook on each module
+# that registers parameters of a unit (``own_storages``; so wherever ``state_dict()`` is called from, a plain parent
+# included) rebuilds those values over an alias of the same memory with a storage of its own
+# (``_C.alias_with_own_storage``, which keeps the shard's storage alive): offset 0, so that ``torch.save`` writes the
+# parameter's own bytes and ``copy.deepcopy`` copies them, while the value still shares the parameter's memory, as
+# torch's ``detach()`` does (an optimizer's step shows in it; DCP loads into it). What swaps a
 # state dict value's memory takes that value away from the parameter, not the parameter away from the shard.
 # ``keep_vars=True`` state dicts hold the parameters themselves, unchanged. Gradients are views of the gradient
 # shard, as torch's FSDP2's are (``torch.save(p.grad)`` fails on both alike).
-def own_storages(state_dict: dict, prefix: str) -> None:
-    """Each DTensor value under ``prefix`` whose local tensor is a view into a larger storage, rebuilt over an alias
-    with a storage of its own (see the Note)."""
-    alias = _C.alias_with_own_storage
-    for key, value in state_dict.items():
-        if not key.startswith(prefix) or type(value) is not _DTensor:  # (a Parameter: keep_vars; or not ours)
-            continue
-        local = value._local_tensor
-        if local.storage_offset() == 0 and local.untyped_storage().nbytes() == local.numel() * local.element_size():
-            continue  # (its own already: an inner unit's hook saw it)
-        state_dict[key] = (_NEW_DTENSOR(_DTensor, alias(local), value._spec, requires_grad=False)
-                           if _NEW_DTENSOR is not None else _DTensor(alias(local), value._spec, requires_grad=False))
+def own_storages(module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """``module``'s parameters in ``state_dict`` (under ``prefix``), each a DTensor whose local tensor is a view into
+    its unit's shard, rebuilt over an alias with a storage of its own (see the Note)."""
+    for attr in module._parameters:
+        value = state_dict.get(prefix + attr)
+        if type(value) is _DTensor:  # (not a Parameter: keep_vars keeps them)
+            state_dict[prefix + attr] = on_spec_of(value, _C.alias_with_own_storage(value._local_tensor))
 
 
 def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
@@ -154,7 +150,7 @@ def use_sharded_views(s: UnitState) -> None:
 def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor, list] | None:
     """``_orig_params.use_grad_views`` for a gradient shard of the parameters' dtype (the common case, once a unit
     after every backward): each parameter that got a gradient since the last reduced backward, or held one
-    (``orig_grad_held``), gets a DTensor over its rows as its ``.grad`` (``grad_of``, inlined: this loop is most of
+    (``orig_grad_held``), gets a DTensor over its rows as its ``.grad`` (``on_spec_of``, inlined: this loop is most of
     what fully_shard's backward costs beyond the class's), the others None; returns what ``s.orig_grads_given``
     records (None when no gradient was given): weak references, see [Note: A gradient set to None is freed] in
     _orig_params.py."""
@@ -167,7 +163,7 @@ def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor,
         if (seen[i] or held[i]) and p.requires_grad:
             local = view(row[2], row[4], base + row[0])
             grad = _NEW_DTENSOR(_DTensor, local, p._spec, requires_grad=False) if _NEW_DTENSOR is not None \
-                else grad_of(p, local)
+                else on_spec_of(p, local)
             p.grad = grad
             given.append((ref(grad), local.data_ptr()))
             held[i] = any_given = True
@@ -178,10 +174,11 @@ def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor,
     return (ref(flat_grad), given) if any_given else None
 
 
-def grad_of(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``p``'s ``.grad``: a DTensor over ``local`` (its rows of the gradient shard) on ``p``'s own spec (mesh,
-    placements, global shape, dtype): building a spec costs ~0.3 ms, this one serves every backward (as torch's
-    FSDP2 does: DTensor's constructor, not from_local). Where torch has it, straight through the constructor's C++
+def on_spec_of(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor over ``local`` on ``p``'s own spec (mesh, placements, global shape, dtype): ``p``'s ``.grad`` over its
+    rows of the gradient shard, or a state dict's value over its alias. Building a spec costs ~0.3 ms, this one serves
+    every backward (as torch's FSDP2 does: DTensor's constructor, not from_local). Where torch has it, straight
+    through the constructor's C++
     ``__new__`` (1.7 µs here, against 7.6 µs through ``DTensor(...)``, whose ``__init__`` only passes through its
     tracing decorators)."""
     from torch.distributed.tensor import DTensor

@@ -85,6 +85,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     _construction.build_flat_param(modules[0], modules[0], more_modules=modules[1:])
     if state.handle is not None:
         _runtime.set_views(state, state.placeholders, placeholders=True)
+    # The state dict's values saved and copied as torch's (see [Note: A state dict's tensors have storages of their
+    # own] in _dtensor_params.py): on each module that registers the unit's parameters.
+    for m in {id(m): m for m, _, _ in state.param_slots}.values():
+        m.register_state_dict_post_hook(_own_storages)
     for m in modules:
         m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
         m.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
@@ -94,8 +98,6 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         # root after its forward) reshards first, as torch's.
         m.register_state_dict_pre_hook(_reshard_for_state_dict)
         m.register_load_state_dict_pre_hook(_reshard_for_state_dict)
-        # Its values saved and copied as torch's (see [Note: A state dict's tensors have storages of their own]).
-        m.register_state_dict_post_hook(_own_storages)
         m.__class__ = _fsdp_class(type(m))
         _UNITS.add(m)
     return module
@@ -169,8 +171,8 @@ def _reshard_for_state_dict(module: nn.Module, *_args: Any) -> None:
     module.reshard()
 
 
-def _own_storages(_module: nn.Module, state_dict: dict, prefix: str, _local_metadata: Any) -> None:
-    _dtensor_params.own_storages(state_dict, prefix)
+def _own_storages(module: nn.Module, state_dict: dict, prefix: str, _local_metadata: Any) -> None:
+    _dtensor_params.own_storages(module, state_dict, prefix)
 
 
 def _after_load(module: nn.Module, _incompatible_keys: Any) -> None:
@@ -263,15 +265,14 @@ class FSDPModule(TorchFSDPModule):
         if s.is_root is None:
             _runtime.lazy_init(_outermost_unit_around(self))
         if s.handle is not None:
+            # (Unsharded already, its parameters on the modules: None, a forward's views kept, as torch's no-op.)
             views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set)
-            if views is None:  # unsharded already, its parameters on the modules (a forward's views kept)
-                pass
-            elif s.root.in_forward_call and torch.is_grad_enabled():
+            if views is not None and s.root.in_forward_call and torch.is_grad_enabled():
                 # Inside the model's forward (another module reading this one's weight: tying across units): views
                 # through a use of their own, whose gradients this unit reduces with its own (see [Note:
                 # Recomputation] in _runtime.py), as torch's FSDP2 reduces the unsharded parameters' .grad.
                 _runtime.hand_out_views(s, views)
-            else:
+            elif views is not None:
                 # Until a forward or backward puts its autograd views there: nn.Parameters as torch's (which code
                 # that counts the trainable parameters between unshard() and forward reads), over the same memory.
                 _runtime.set_views(s, views, parameters=True)

@@ -149,7 +149,7 @@ def use_grad_views(s: UnitState, ends_accumulation: bool = False) -> None:
     for index, view in _grad_targets(s, flat_grad):
         p = params[index]
         if p.requires_grad and given[index]:
-            set_grad(p, _dtensor_params.grad_of(p, view) if as_dtensor else view)
+            set_grad(p, _dtensor_params.on_spec_of(p, view) if as_dtensor else view)
     s.orig_grad_held = [p.grad is not None for p in params]
     given = [(None if p.grad is None else ref(p.grad), _data_ptr(p.grad, as_dtensor)) for p in params]
     if any(grad is not None for grad, _ in given):  # (none given: writeback's own check clears the flat gradient)
