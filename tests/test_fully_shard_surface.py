@@ -224,6 +224,14 @@ def _refusals(rank: int, world_size: int) -> None:
     with pytest.raises(TypeError, match=r"fully_shard\(GPT\): offload_policy must be an OffloadPolicy .* but got "
                                         r"CPUOffload"):
         fully_shard(fresh(), offload_policy=flatshard.CPUOffload(offload_params=True))  # (FSDP1's, by mistake)
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if not torch.accelerator.is_available():  # (torch's type and phrase: it cannot pin the shards; with a GPU it can)
+        with pytest.raises(RuntimeError, match=r"Cannot access accelerator device when none is available: "
+                                               r"fully_shard\(Linear\) .* pass CPUOffloadPolicy\(pin_memory=False\)"):
+            fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())
+    fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(nn.ReLU(), offload_policy=CPUOffloadPolicy())  # (no parameter to pin: torch's builds it too)
     with pytest.raises(NotImplementedError, match="dp_mesh_dims .* is not supported"):
         fully_shard(fresh(), dp_mesh_dims=object())
     with pytest.raises(ValueError, match="expected an nn.Module or a non-empty list of them but got an empty list"):

@@ -228,6 +228,12 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
 
     mesh = mesh if mesh is not None else default_mesh()
     _check_supported(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    if (isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory and
+            _own_dtype(module, ignored_params) is not None and not torch.accelerator.is_available()):
+        # (torch's RuntimeError, from pinning the first shard: pinned memory is for copies to an accelerator)
+        raise RuntimeError(f"Cannot access accelerator device when none is available: fully_shard("
+                           f"{type(module).__name__}) with CPUOffloadPolicy(pin_memory=True) pins the host shards, "
+                           f"which needs an accelerator; without one pass CPUOffloadPolicy(pin_memory=False).")
     # 1-D: shard over the mesh. 2-D (HSDP): shard over its second dim, replicate over its first.
     group = mesh.get_group(mesh.ndim - 1)
     replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
