@@ -355,11 +355,21 @@ def _saved_with_torch_save(rank: int, world_size: int) -> dict:
                 copied = copy.deepcopy(state)
                 for sub in model.modules():  # (a submodule's own state dict: a unit's, a plain parent's)
                     torch.save(sub.state_dict(), io.BytesIO())
+                params_buffer = io.BytesIO()  # (the parameters themselves: see [Note: A parameter's wrapper at
+                torch.save(dict(model.named_parameters()), params_buffer)  # offset 0] in _dtensor_params.py)
+                params_copied = {name: copy.deepcopy(p) for name, p in model.named_parameters()}
             except RuntimeError as error:
                 out[shape, impl] = {"error": str(error)}
                 continue
             buffer.seek(0)
             loaded = torch.load(buffer, weights_only=False)
+            params_buffer.seek(0)
+            params_loaded = torch.load(params_buffer, weights_only=False)
+            params = dict(model.named_parameters())
+            params_saved = {k: (type(v).__name__, isinstance(v, nn.Parameter), v.requires_grad, str(v.placements),
+                                v.to_local().tolist(), torch.equal(params_copied[k].to_local(), params[k].to_local()),
+                                isinstance(params_copied[k], nn.Parameter))
+                            for k, v in params_loaded.items()}
             with torch.no_grad():  # the values share the parameters' memory, as torch's detach() does
                 for p in model.parameters():
                     p.to_local().mul_(2)
@@ -384,6 +394,7 @@ def _saved_with_torch_save(rank: int, world_size: int) -> dict:
                                                 v.full_tensor() if isinstance(v, DTensor) else v)
                                     for k, v in state.items()),
                 "shares": shares,
+                "params_saved": params_saved,
                 "went_on": [_train_step(model, rank, 1), _train_step(model, rank, 2)],
                 "resumed": [_train_step(fresh, rank, 1), _train_step(fresh, rank, 2)],
             }
@@ -394,7 +405,8 @@ def test_torch_save_of_the_state_dict_round_trips_as_torch_fsdp2():
     """``torch.save(model.state_dict())`` and ``copy.deepcopy`` of it (a per-rank checkpoint, a best-model snapshot)
     work as with torch's FSDP2 on every model shape (parameters of the root's own module, leaf units, units under a
     plain parent, a nested unit, padded units, a parameter of one row that some ranks hold nothing of, the root's
-    parameters on a plain submodule, whose own state dict is saved too): the file
+    parameters on a plain submodule, whose own state dict is saved too), and so do ``torch.save`` and
+    ``copy.deepcopy`` of the parameters themselves (``dict(model.named_parameters())``): the file
     holds torch's values, placements and types, no more bytes than torch's (each parameter's own, not its unit's
     shard; see [Note: A state dict's tensors have storages of their own] in _dtensor_params.py), the values share the
     parameters' memory as torch's, moving them to shared memory leaves training as it was, and a fresh model that
@@ -410,6 +422,7 @@ def test_torch_save_of_the_state_dict_round_trips_as_torch_fsdp2():
             assert "error" not in case, f"{where}: {case['error']}"
             assert "error" not in torch_case, f"{where}: torch's FSDP2 failed: {torch_case['error']}"
             assert case["loaded"] == torch_case["loaded"], where
+            assert case["params_saved"] == torch_case["params_saved"], where
             assert case["bytes"] <= torch_case["bytes"], (where, case["bytes"], torch_case["bytes"])
             assert case["copied_equal"], where
             assert case["shares"] and torch_case["shares"], where

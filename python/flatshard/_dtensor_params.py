@@ -112,6 +112,32 @@ def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int])
         return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
+# [Note: A parameter's wrapper at offset 0]
+# torch 2.13's DTensor constructor gives the wrapper its local tensor's storage offset, and a DTensor over a view at an
+# offset cannot be pickled: ``torch.save`` and ``copy.deepcopy`` tell a wrapper without memory from a tensor with
+# memory by ``data_ptr() == 0``, which the offset breaks ("invalid python storage"; torch's own DTensors fail so too,
+# ``torch.save(dtensor[4:])``). torch's FSDP2 parameters are at offset 0 (a padded shard each); ours are rows of the
+# unit's one shard (see [Note: DTensor parameters]), so each parameter's wrapper is built over an alias of its rows at
+# offset 0, with the same sizes, strides, dtype and device, and then given its rows as its local tensor: what its
+# methods, ops and optimizers read. ``torch.save(p)`` and ``torch.save(dict(model.named_parameters()))`` then work as
+# with torch's FSDP2 (a parameter saved alone writes its unit's shard: its storage). ``nn.Parameter(dtensor)`` would
+# rebuild the wrapper through ``detach()``, at the offset again: the parameter is marked as ``nn.Parameter`` marks a
+# tensor subclass (``_is_param``). torch 2.11 builds DTensors in Python, at offset 0 always. Values derived by ops
+# (``p.detach()``, ``state_dict()``'s) are torch's wrappers at the offset: see [Note: A state dict's tensors have
+# storages of their own].
+def sharded_param(s: UnitState, index: int, local: torch.Tensor, shape: list[int], requires_grad: bool) -> nn.Parameter:
+    """``nn.Parameter(_as_dtensor(...))``, its wrapper at storage offset 0 (see the Note)."""
+    dtensor = _as_dtensor(s, index, local, shape)
+    if _NEW_DTENSOR is None or local.storage_offset() == 0:
+        return nn.Parameter(dtensor, requires_grad=requires_grad)
+    with torch.no_grad():
+        param = _NEW_DTENSOR(type(dtensor), local.as_strided(local.shape, local.stride(), 0), dtensor._spec,
+                             requires_grad=requires_grad)
+    param._local_tensor = local
+    param._is_param = True
+    return param
+
+
 def init(s: UnitState, params: list[nn.Parameter]) -> None:
     """At ``fully_shard``: the modules' parameters become DTensor parameters over the shard."""
     global _DTensor
@@ -124,7 +150,7 @@ def init(s: UnitState, params: list[nn.Parameter]) -> None:
     sharded = []
     for index, (p, local) in enumerate(zip(params, local_views(s, s.flat_param.detach()))):
         shape = list(s.tp_params[index].shape) if index in s.tp_params else list(p.shape)
-        sharded.append(nn.Parameter(_as_dtensor(s, index, local, shape), requires_grad=p.requires_grad))
+        sharded.append(sharded_param(s, index, local, shape, p.requires_grad))
     for m, attr, index in s.param_slots:
         m._parameters[attr] = sharded[index]
     for p, fqn in zip(sharded, s.param_names):  # (an outer fully_shard must not take them again)
@@ -143,8 +169,7 @@ def use_sharded_views(s: UnitState) -> None:
     for index, (p, view) in enumerate(zip(s.orig_params, local_views(s, s.flat_param.detach()))):
         local = p._local_tensor
         if local.data_ptr() != view.data_ptr() or local.device != view.device:
-            torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, index, view, list(p.shape)),
-                                                     requires_grad=p.requires_grad))
+            torch.utils.swap_tensors(p, sharded_param(s, index, view, list(p.shape), p.requires_grad))
 
 
 def use_grad_views(s: UnitState, flat_grad: torch.Tensor) -> tuple[torch.Tensor, list] | None:
@@ -222,8 +247,7 @@ def rebind(s: UnitState) -> None:
             continue
         _copy_into(name, local, view)
         # (A DTensor's local tensor is not what ``.data =`` sets: swapped whole, as nn.Module._apply does.)
-        torch.utils.swap_tensors(p, nn.Parameter(_as_dtensor(s, index, view, list(p.shape)),
-                                                 requires_grad=p.requires_grad))
+        torch.utils.swap_tensors(p, sharded_param(s, index, view, list(p.shape), p.requires_grad))
 
 
 def _local_of_param(p: torch.Tensor) -> torch.Tensor:
