@@ -8,6 +8,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 
 #include <algorithm>
 #include <utility>
@@ -94,14 +95,13 @@ at::Tensor FlatParamHandle::flatten(const std::vector<at::Tensor>& tensors, cons
     if (offset > cursor) flat.narrow(0, cursor, offset - cursor).zero_();
     const at::Tensor& t = tensors[i];
     if (numel > 0) {
-      at::Tensor slot = flat.narrow(0, offset, numel);
       if (t.defined()) {
         TORCH_CHECK(t.numel() == numel, "flatshard.flatten: tensor ", i, " has shape ",
                     shape_str(t.sizes()), " but the layout expects ",
                     shape_str(layout.shapes()[i]));
-        slot.copy_(t.reshape({numel}));
+        contiguous_view(flat, offset, t.sizes()).copy_(t);  // (as many elements: no broadcast)
       } else {
-        slot.zero_();
+        contiguous_view(flat, offset, {numel}).zero_();
       }
     }
     cursor = offset + numel;
@@ -122,9 +122,15 @@ std::vector<at::Tensor> FlatParamHandle::views_of(const at::Tensor& flat, const 
   std::vector<at::Tensor> views;
   views.reserve(layout.num_params());
   for (std::int64_t i = 0; i < layout.num_params(); ++i) {
-    views.push_back(flat.narrow(0, layout.offsets()[i], layout.numels()[i]).view(layout.shapes()[i]));
+    views.push_back(contiguous_view(flat, layout.offsets()[i], layout.shapes()[i]));
   }
   return views;
+}
+
+at::Tensor FlatParamHandle::contiguous_view(const at::Tensor& flat, std::int64_t offset, at::IntArrayRef shape) {
+  // One as_strided, not narrow (slice, as_strided) then view: these run for every unit at every forward (see
+  // [Note: One crossing per lifecycle step] in bindings.cpp), and each op is a dispatch.
+  return flat.as_strided(shape, c10::contiguous_strides(shape), flat.storage_offset() + offset);
 }
 
 at::Tensor FlatParamHandle::alias_with_own_storage(const at::Tensor& view) {
@@ -337,10 +343,7 @@ void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
     for (std::int64_t i = 0; i < into_layout.num_params(); ++i) {
       if (!grads[i].defined()) continue;
       if (into_layout.shard_factor() == 1) {  // the packed flat layout (see [Note: Dim-0 layout])
-        if (into_layout.numels()[i] > 0) {
-          unsharded_grad_.narrow(0, into_layout.offsets()[i], into_layout.numels()[i])
-              .add_(grads[i].reshape({into_layout.numels()[i]}));
-        }
+        if (into_layout.numels()[i] > 0) add_at(into_layout, i, grads[i]);
         continue;
       }
       for (auto& [into, from] : dim0_row_pieces(unsharded_grad_, into_layout, i, grads[i].contiguous())) {
@@ -360,7 +363,7 @@ void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
           layout_.offsets()[i] + layout_.numels()[i] > reduce_prefix_) {
         continue;
       }
-      unsharded_grad_.narrow(0, layout_.offsets()[i], layout_.numels()[i]).add_(grads[i].reshape({layout_.numels()[i]}));
+      add_at(layout_, i, grads[i]);
     }
     return;
   }
@@ -370,9 +373,14 @@ void FlatParamHandle::accumulate_grad(const std::vector<at::Tensor>& grads) {
   }
   for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
     if (!grads[i].defined() || layout_.numels()[i] == 0) continue;
-    unsharded_grad_.narrow(0, layout_.offsets()[i], layout_.numels()[i])
-        .add_(grads[i].reshape({layout_.numels()[i]}));
+    add_at(layout_, i, grads[i]);
   }
+}
+
+void FlatParamHandle::add_at(const FlatParamLayout& layout, std::int64_t i, const at::Tensor& grad) {
+  TORCH_CHECK(grad.numel() == layout.numels()[i], "flatshard: unit '", name_, "': gradient ", i, " has shape ",
+              shape_str(grad.sizes()), " but the layout expects ", shape_str(layout.shapes()[i]));
+  contiguous_view(unsharded_grad_, layout.offsets()[i], grad.sizes()).add_(grad);  // (as many elements: no broadcast)
 }
 
 void FlatParamHandle::end_backward_grad() {
@@ -430,7 +438,7 @@ std::vector<at::Tensor> FlatParamHandle::param_views(const at::Tensor& buffer) c
   views.reserve(static_cast<std::size_t>(layout_.num_params()));
   for (std::int64_t i = 0; i < layout_.num_params(); ++i) {
     const auto k = static_cast<std::size_t>(i);
-    views.push_back(buffer.narrow(0, param_offsets_[k], layout_.numels()[k]).view(layout_.shapes()[k]));
+    views.push_back(contiguous_view(buffer, param_offsets_[k], layout_.shapes()[k]));
   }
   return views;
 }

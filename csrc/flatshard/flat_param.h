@@ -138,6 +138,8 @@ class FlatParamHandle {
                             const at::TensorOptions& options);
   // Views of `flat` (1-D, padded_numel long) shaped as the original parameters.
   static std::vector<at::Tensor> views_of(const at::Tensor& flat, const FlatParamLayout& layout);
+  // `shape`'s contiguous view of `flat` from element `offset` on (within flat's storage).
+  static at::Tensor contiguous_view(const at::Tensor& flat, std::int64_t offset, at::IntArrayRef shape);
   // `view`'s elements as a tensor over a storage of its own (storage_offset 0, exactly their bytes) that aliases
   // view's memory and keeps view's storage alive: a fully_shard state dict's local tensors (see [Note: A state
   // dict's tensors have storages of their own] in python/flatshard/_dtensor_params.py).
@@ -397,6 +399,8 @@ class FlatParamHandle {
   std::int64_t params_nbytes() const;
   // Each parameter's view of `buffer` (params_, or a buffer of its size): its region's first numel elements.
   std::vector<at::Tensor> param_views(const at::Tensor& buffer) const;
+  // Adds `grad` (parameter `i` of `layout`, as many elements) into its place in the unsharded gradient.
+  void add_at(const FlatParamLayout& layout, std::int64_t i, const at::Tensor& grad);
   std::vector<at::Tensor> host_grads_;  // reduced shards on their way to the host (offload)
 };
 

@@ -272,6 +272,14 @@ TEST(Scheduler, ReduceGradAveragesAccumulatesAndWritesGradShard) {
     scheduler.finish_grad_sync();  // nothing pending: a no-op
     at::Tensor twice = expected + at::cat({at::full({11}, 1.5f), at::zeros({1})});
     EXPECT_TRUE(at::allclose(unit.local_shard().grad(), twice.narrow(0, rank * 6, 6)));
+    // A gradient of another element count is refused (the first use's flatten, a later use's add), never broadcast;
+    // one of the same count in another shape lands in its place.
+    EXPECT_THROW(unit.accumulate_grad({at::ones({2, 2}), at::Tensor()}), c10::Error);
+    unit.accumulate_grad({at::full({2, 3}, r), at::Tensor()});
+    EXPECT_THROW(unit.accumulate_grad({at::ones({4}), at::ones({5})}), c10::Error);
+    unit.accumulate_grad({at::Tensor(), at::full({5}, r)});
+    EXPECT_TRUE(at::equal(unit.unsharded_grad(), at::cat({at::full({11}, r), at::zeros({1})})));
+    unit.drop_unsharded_grad();
   });
 }
 
