@@ -318,6 +318,23 @@ def _refusals(rank: int, world_size: int) -> None:
     early(torch.zeros(2, SEQ, dtype=torch.long)).sum().backward()  # (still trains)
     with pytest.raises(NotImplementedError, match=r"FSDPModule.set_custom_all_gather: not supported"):
         model.set_custom_all_gather(lambda *args: None)
+    # torch's staging-buffer allocators: accepted (torchtitan's enable_symm_mem sets one on every module), warned
+    # about once per process (see [Note: Where torch's staging buffers come from])
+    import warnings
+
+    from torch.distributed.fsdp import FSDPModule
+
+    with pytest.warns(UserWarning, match=r"FSDPModule.set_symm_mem_for_comm\('NCCL'\): flatshard's runtime .* no "
+                                         r"effect \(it never changes results\)"):
+        model.set_symm_mem_for_comm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for m in model.modules():  # (as torchtitan calls it: no second warning)
+            if isinstance(m, FSDPModule):
+                m.set_symm_mem_for_comm()
+                m.set_allocate_memory_from_process_group_for_comm(False)
+    with pytest.warns(UserWarning, match=r"set_allocate_memory_from_process_group_for_comm\(True\)"):
+        model.set_allocate_memory_from_process_group_for_comm(True)
     # torch's refusals, types and phrases (True is not 1); recurse=False: the module alone; the root's scheduler
     # takes the largest of its units', also when set after its first forward
     capped = fresh()

@@ -191,8 +191,15 @@ def _fsdp_class(cls: type) -> type:
 
 
 # FSDPModule's methods flatshard does not have yet: each raises NotImplementedError naming itself.
-_NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter",
-            "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm")
+_NOT_YET = ("set_custom_all_gather", "set_custom_reduce_scatter")
+
+
+@functools.cache
+def _warn_staging_buffers(call: str) -> None:
+    """Once per process: see [Note: Where torch's staging buffers come from]."""
+    warnings.warn(f"FSDPModule.{call}: flatshard's runtime gathers and reduces in buffers of its own, without torch's "
+                  f"staging copies, so this allocator setting has no effect (it never changes results).", UserWarning,
+                  stacklevel=3)
 
 
 def _install_all_reduce_hook(module: nn.Module) -> None:
@@ -428,6 +435,21 @@ class FSDPModule(TorchFSDPModule):
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """A hint that this module's parameters are not needed in backward (an embedding's): flatshard still
         gathers them there, which is never wrong, only an all-gather torch's skips."""
+
+    # [Note: Where torch's staging buffers come from]
+    # torch's FSDP2 copies each unit's shards into a staging buffer for every all-gather and reduce-scatter, and these
+    # two setters choose that buffer's allocator (the process group's own, or NCCL's symmetric memory: zero-copy or
+    # copy-engine collectives). They change where bytes sit, never what is computed. flatshard gathers into buffers its
+    # scheduler owns, without a copy-in, so neither applies: both are accepted, as the hints they are (torchtitan's
+    # ``enable_symm_mem`` calls the second on every module), with one warning per process when one is turned on.
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted; see [Note: Where torch's staging buffers come from]."""
+        if enable:
+            _warn_staging_buffers("set_allocate_memory_from_process_group_for_comm(True)")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted; see [Note: Where torch's staging buffers come from]."""
+        _warn_staging_buffers(f"set_symm_mem_for_comm({backend!r})")
 
     def _units(self, recurse: bool) -> list[nn.Module]:
         """This module's units (itself and every fully_shard module inside it), or itself alone."""
