@@ -232,8 +232,11 @@ def _refusals(rank: int, world_size: int) -> None:
             fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())
     fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy(pin_memory=False))
     fully_shard(nn.ReLU(), offload_policy=CPUOffloadPolicy())  # (no parameter to pin: torch's builds it too)
-    with pytest.raises(NotImplementedError, match="dp_mesh_dims .* is not supported"):
-        fully_shard(fresh(), dp_mesh_dims=object())
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    with pytest.raises(ValueError, match=r"fully_shard\(GPT\): dp_mesh_dims names dims of the mesh given as mesh=, "
+                                         r"and none was given"):  # (what it supports: tests/test_fully_shard_spmd.py)
+        fully_shard(fresh(), dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
     with pytest.raises(ValueError, match="expected an nn.Module or a non-empty list of them but got an empty list"):
         fully_shard([])
     tied = nn.ModuleDict({"embed": nn.Embedding(6, 4), "head": nn.Linear(4, 6, bias=False)})

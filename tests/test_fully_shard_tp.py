@@ -304,8 +304,10 @@ def _refusals(meshes: dict) -> list[str]:
         return linear
 
     expect(over_dp, lambda m: fully_shard(m, mesh=mesh["dp"]), NotImplementedError, "'weight'", "dp_mesh_dims")
-    expect(lambda: nn.Linear(4, 8), lambda m: fully_shard(m, mesh=mesh["dp"], dp_mesh_dims=object()),
-           NotImplementedError, "dp_mesh_dims")
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    expect(lambda: tp_linear(mesh), lambda m: fully_shard(m, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")),
+           NotImplementedError, "dp_mesh_dims", "over a mesh of dims ('dp', 'tp')", "data-parallel dims alone")
     wide = meshes["4x1"]  # (a shard group of 4: resharding to pairs after forward)
     expect(lambda: tp_linear(wide), lambda m: fully_shard(m, mesh=wide["dp"], reshard_after_forward=2),
            NotImplementedError, "'weight'", "reshard_after_forward=2")

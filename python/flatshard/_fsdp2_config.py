@@ -222,10 +222,12 @@ def _own_dtype(module: nn.Module, ignored_params: set[nn.Parameter] | None) -> t
 
 def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | None,
             shard_placement_fn: Callable | None, mp_policy: Any, offload_policy: Any,
-            ignored_params: set[nn.Parameter] | None) -> UnitConfig:
+            ignored_params: set[nn.Parameter] | None, dp_mesh_dims: Any = None) -> UnitConfig:
     """The configuration of the unit ``fully_shard`` makes of ``module``."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    if dp_mesh_dims is not None:
+        _check_spmd_mesh(module, mesh, dp_mesh_dims)
     mesh = mesh if mesh is not None else default_mesh()
     _check_supported(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     if (isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory and
@@ -292,7 +294,37 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         # Without grad as with it (torch FSDP2's): the root keeps its parameters unless told to free them.
         reshard_after_no_grad_forward=False,
         registers_unsharded=True,
+        spmd=dp_mesh_dims is not None,
     )
+
+
+# [Note: An SPMD mesh of data-parallel dims alone]
+# With ``dp_mesh_dims``, torch's FSDP2 takes a mesh on which every parameter is already a DTensor (torchtitan's
+# "full_dtensor" backend: ``distribute_module``, then ``fully_shard``; its inputs are DTensors too) and shards over
+# the dims it names. flatshard takes the case where the mesh has no other dim (no TP, CP or EP dim: data parallelism
+# alone): the mesh is then the 1-D one (``shard``) or HSDP's 2-D one (``replicate``, ``shard``) fully_shard takes
+# without ``dp_mesh_dims``, and each parameter a DTensor replicated on it. Such a parameter goes the way of a
+# tensor-parallel one (see [Note: Tensor-parallel parameters] in _tensor_parallel.py) with the mesh itself as its
+# "TP mesh": its local tensor (the whole value) is sharded, the sharded parameter is ``Shard(0)`` on the mesh
+# (HSDP: ``(Replicate(), Shard(0))``), and in forward and backward the module holds the unsharded value as the DTensor
+# replicated on the mesh it was, as torch's does. Its gradient's local tensor is reduced as it comes, Partial or
+# Replicate on the data-parallel dims, as torch's keeps those placements for its reduce-scatter
+# (``_TPView.backward``). Refused: a mesh with other dims, several dims flattened into one, replication alone (DDP),
+# a parameter not replicated on the mesh (NotImplementedError, naming it); a plain tensor parameter (torch's
+# ValueError).
+def _check_spmd_mesh(module: nn.Module, mesh: Any, dp_mesh_dims: Any) -> None:
+    name = type(module).__name__
+    if mesh is None:
+        raise ValueError(f"fully_shard({name}): dp_mesh_dims names dims of the mesh given as mesh=, and none was given")
+    shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
+    dims = tuple(mesh.mesh_dim_names or ())
+    if len(shard) != 1 or len(replicate) > 1 or dims != (*replicate, *shard):
+        raise NotImplementedError(
+            f"fully_shard({name}): dp_mesh_dims (shard={dp_mesh_dims.shard!r}, replicate={dp_mesh_dims.replicate!r}) "
+            f"over a mesh of dims {dims}: flatshard supports torch's SPMD path on a mesh of the data-parallel dims "
+            f"alone, one shard dim after at most one replicate dim (here {(*replicate, *shard)}); for tensor "
+            f"parallelism beneath FSDP pass parameters over a separate TP mesh and fully_shard(..., mesh=world_mesh"
+            f"['dp']) without dp_mesh_dims (see [Note: Tensor-parallel parameters]).")
 
 
 def _divides_in_collectives(reduce_dtype: torch.dtype | None, force_sum: bool) -> bool:
@@ -361,7 +393,13 @@ def take_tp_locals(modules: list[nn.Module], config: UnitConfig, reshard_after_f
     found: dict[int, tuple[str, nn.Parameter]] = {}
     for unit_module in modules:
         for name, p in unit_module.named_parameters(remove_duplicate=True):
-            if p in ignored or getattr(p, OWNER_ATTR, None) is not None or not _is_dtensor(p):
+            if p in ignored or getattr(p, OWNER_ATTR, None) is not None:
+                continue
+            if not _is_dtensor(p):
+                if config.spmd:  # (torch's ValueError and phrase: see [Note: An SPMD mesh of data-parallel dims alone])
+                    raise ValueError(f"When dp_mesh_dims is provided, all parameters must be DTensors on the full "
+                                     f"SPMD mesh (e.g. via distribute_module). Got plain tensor for parameter "
+                                     f"'{name}'.")
                 continue
             found.setdefault(id(p), (name, p))
     if not found:
@@ -392,11 +430,25 @@ def _describe(name: str, p: Any, config: UnitConfig, reshard_after_forward: Any,
     spec = p._spec
     tp_mesh, tp_placements = spec.mesh, tuple(spec.placements)
     where = f"fully_shard: parameter '{name}' is a DTensor over {tp_mesh}"
+    if config.spmd:  # see [Note: An SPMD mesh of data-parallel dims alone]
+        if tp_mesh != dp_mesh or not all(pl.is_replicate() for pl in tp_placements):
+            raise NotImplementedError(f"{where} with placements {tp_placements}; with dp_mesh_dims flatshard takes "
+                                      f"parameters replicated on the mesh given (distribute_module's), not otherwise "
+                                      f"placed.")
+        if reshard_after_forward is not None:
+            raise NotImplementedError(f"{where}: resharding to a smaller mesh after forward (reshard_after_forward="
+                                      f"{reshard_after_forward}) with dp_mesh_dims; pass True or False.")
+        dim = 0 if shard_placement_fn is None else shard_dims(lambda _local: shard_placement_fn(p), dp_mesh,
+                                                              [p._local_tensor], [name], config.world_size)[0]
+        dp_placements = (Shard(dim),) if dp_mesh.ndim == 1 else (Replicate(), Shard(dim))
+        return _tensor_parallel.TPParam(dp_mesh, tp_placements, spec.shape, tuple(spec.stride), dp_mesh,
+                                        dp_placements, dim)
     dp_names = set(dp_mesh.mesh_dim_names or ())
     if tp_mesh is dp_mesh or (tp_mesh.mesh_dim_names and dp_names & set(tp_mesh.mesh_dim_names)):
-        raise NotImplementedError(f"{where}, which shares a dim with fully_shard's mesh {dp_mesh} (torch's SPMD path, "
-                                  f"dp_mesh_dims): flatshard supports a parameter over a TP mesh separate from the DP "
-                                  f"mesh only, as parallelize_module(block, world_mesh['tp'], plan) then "
+        raise NotImplementedError(f"{where}, which shares a dim with fully_shard's mesh {dp_mesh}: that is torch's "
+                                  f"SPMD path, which takes dp_mesh_dims (flatshard's: on a mesh of the data-parallel "
+                                  f"dims alone); otherwise flatshard supports a parameter over a TP mesh separate from "
+                                  f"the DP mesh, as parallelize_module(block, world_mesh['tp'], plan) then "
                                   f"fully_shard(block, mesh=world_mesh['dp']) make.")
     if tp_mesh.ndim != 1:
         raise NotImplementedError(f"{where} of {tp_mesh.ndim} dims: flatshard's fully_shard supports tensor "

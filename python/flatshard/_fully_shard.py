@@ -22,7 +22,8 @@ csrc/flatshard/flat_param.h), ``mp_policy`` (every field), ``CPUOffloadPolicy`` 
 ``ignored_params``, ``shard_placement_fn`` giving ``Shard(i)`` (see [Note: Sharding on another dim] in
 csrc/flatshard/layout.h), and parameters that are DTensors over a TP mesh (see [Note: Tensor-parallel parameters] in
 _tensor_parallel.py). What it does not support yet raises NotImplementedError naming the argument or method:
-meshes of 3 or more dims, ``dp_mesh_dims``, a parameter given a mesh of its own, and the FSDPModule methods listed
+meshes of 3 or more dims, ``dp_mesh_dims`` beyond a mesh of the data-parallel dims alone (see [Note: An SPMD mesh
+of data-parallel dims alone] in _fsdp2_config.py), a parameter given a mesh of its own, and the FSDPModule methods listed
 in ``_NOT_YET``. A list of modules is one unit (see
 [Note: A list of modules]).
 """
@@ -54,11 +55,6 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                 ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None) -> nn.Module:
     """torch's ``torch.distributed.fsdp.fully_shard`` on flatshard's runtime (see [Note: fully_shard] and
     [Note: fully_shard's coverage]). Returns ``module``, now an ``FSDPModule``."""
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("fully_shard: dp_mesh_dims (torch's SPMD mesh, parameters over the data-parallel "
-                                  "dims themselves) is not supported by flatshard yet; pass a 1-D mesh, or HSDP's 2-D "
-                                  "one, and parameters that are DTensors over a separate TP mesh (see [Note: "
-                                  "Tensor-parallel parameters]).")
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard: expected an nn.Module or a non-empty list of them but got an empty list")
@@ -73,7 +69,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard: the list of modules names one module twice")
     config = _fsdp2_config.resolve(modules[0], mesh, reshard_after_forward, shard_placement_fn, mp_policy,
-                                   offload_policy, ignored_params)
+                                   offload_policy, ignored_params, dp_mesh_dims)
     # One unit for all of them (see [Note: A list of modules]): the first is the unit's module.
     # DTensor parameters over a TP mesh: their local tensors are what this unit shards (see [Note: Tensor-parallel
     # parameters] in _tensor_parallel.py)

@@ -19,8 +19,9 @@ a block's matrices over a TP mesh first (``parallelize_module``: each such param
   over the DP mesh as any other gradient (a replicated parameter's ``Partial`` gradient: see [Note: Partial
   gradients of tensor-parallel parameters] below).
 Refused by name: ``reshard_after_forward`` as an int (torch's FSDP2
-refuses it too), a TP mesh of more than one dim, a parameter over the DP mesh itself (torch's SPMD path, which needs
-``dp_mesh_dims``), and a ``Partial`` parameter.
+refuses it too), a TP mesh of more than one dim, a parameter over the DP mesh itself without ``dp_mesh_dims`` (torch's
+SPMD path: with it, such parameters go this way too, see [Note: An SPMD mesh of data-parallel dims alone] in
+_fsdp2_config.py), and a ``Partial`` parameter.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ class _TPView(torch.autograd.Function):
         wanted = s.tp_params[index].tp_placements
         got = grad.placements
         local = grad._local_tensor
-        if got == wanted:
-            return local, None, None
+        if got == wanted or s.config.spmd:  # (SPMD: as it comes, see [Note: An SPMD mesh of data-parallel dims
+            return local, None, None  # alone] in _fsdp2_config.py)
         if all(g == w or (w.is_replicate() and g.is_partial("sum")) for g, w in zip(got, wanted)):
             held = s.tp_partial.get(index)
             s.tp_partial[index] = local if held is None else held + local

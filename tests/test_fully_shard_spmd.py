@@ -1,0 +1,126 @@
+"""``fully_shard(..., dp_mesh_dims=...)``, torch's SPMD path (torchtitan's "full_dtensor" backend: parameters and
+inputs DTensors on the mesh), on a mesh of the data-parallel dims alone, against torch's FSDP2 running the same script;
+and its refusals. See [Note: An SPMD mesh of data-parallel dims alone] in python/flatshard/_fsdp2_config.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+def _model() -> nn.Module:
+    """Blocks of odd widths (padded shards), a root with parameters of its own."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), _Block(5), _Block(5), nn.Linear(5, 3))
+
+
+def _trained(rank: int, world_size: int, impl: str, hsdp: bool) -> dict:
+    """The model distributed on the mesh (every parameter replicated), fully_shard with dp_mesh_dims on each block and
+    the root, three AdamW steps on inputs sharded over the mesh's data dim: losses, each parameter's placements and
+    local tensor, its gradient's local tensor before the last step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+
+    if impl == "flatshard":
+        from flatshard import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    if hsdp:
+        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp_replicate", "dp_shard"))
+        dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+        batch = (Replicate(), Shard(0))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+        dims = DataParallelMeshDims(shard="dp_shard")
+        batch = (Shard(0),)
+    model = _model()
+    distribute_module(model, mesh)
+    for block in model[1:3]:
+        fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses, grads = [], {}
+    for step in range(3):
+        x = torch.randn(4 * world_size, 6, generator=torch.Generator().manual_seed(step))
+        local = x.chunk(world_size)[rank]
+        out = model(DTensor.from_local(local, mesh, batch, run_check=False))
+        loss = out.square().mean()
+        loss.backward()
+        grads = {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item())
+    return {"losses": losses, "grads": grads, "unsharded": type(model[1].lin.weight).__name__,
+            "params": {name: (str(p.placements), p.to_local().detach().clone()) for name, p in model.named_parameters()}}
+
+
+def _both(rank: int, world_size: int, hsdp: bool) -> dict:
+    return {impl: _trained(rank, world_size, impl, hsdp) for impl in ("torch", "flatshard")}
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["shard", "replicate_shard"])
+def test_dp_mesh_dims_trains_as_torch_fsdp2(hsdp):
+    """Losses, gradients, placements and every rank's local parameters after three steps: equal to torch's FSDP2 given
+    the same SPMD mesh, dp_mesh_dims and DTensor inputs (fp32; rtol 1e-6, as the reduction order may differ)."""
+    from flatshard.testing import run_distributed
+
+    for rank, out in enumerate(run_distributed(_both, 2, hsdp, timeout=120)):
+        theirs, ours = out["torch"], out["flatshard"]
+        assert ours["unsharded"] == theirs["unsharded"] == "DTensor", rank  # (the registered sharded parameter)
+        torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=1e-6, atol=0)
+        assert ours["params"].keys() == theirs["params"].keys(), rank
+        for name, (placements, local) in theirs["params"].items():
+            assert ours["params"][name][0] == placements, (rank, name)
+            torch.testing.assert_close(ours["grads"][name], theirs["grads"][name], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(ours["params"][name][1], local, rtol=1e-6, atol=1e-7)
+
+
+def _refusals(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+    from flatshard import fully_shard
+
+    flat = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    with pytest.raises(ValueError, match=r"all parameters must be DTensors on the full SPMD mesh .* Got plain tensor "
+                                         r"for parameter 'weight'"):  # (torch's type and phrase)
+        fully_shard(nn.Linear(4, 4), mesh=flat, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
+    with_tp = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_shard", "tp"))
+    model = nn.Linear(4, 4)
+    distribute_module(model, with_tp)
+    with pytest.raises(NotImplementedError, match=r"fully_shard\(Linear\): dp_mesh_dims .* over a mesh of dims "
+                                                  r"\('dp_shard', 'tp'\): flatshard supports .* the data-parallel dims"
+                                                  r" alone"):
+        fully_shard(model, mesh=with_tp, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
+    assert type(model.weight).__name__ == "DTensor" and type(model).__name__ == "Linear"  # (left as it was)
+    with pytest.raises(NotImplementedError, match=r"shard=\('dp_shard', 'cp'\)"):
+        fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_shard", "cp")),
+                    dp_mesh_dims=DataParallelMeshDims(shard=("dp_shard", "cp")))
+    sharded = nn.Linear(4, 4)
+    sharded.weight = nn.Parameter(distribute_tensor(sharded.weight.detach(), flat, [Shard(0)]))
+    sharded.bias = nn.Parameter(distribute_tensor(sharded.bias.detach(), flat, [Shard(0)]))
+    with pytest.raises(NotImplementedError, match=r"parameter 'weight' is a DTensor over .* placements \(Shard\(dim=0"
+                                                  r"\),\); with dp_mesh_dims flatshard takes parameters replicated"):
+        fully_shard(sharded, mesh=flat, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
+
+
+def test_dp_mesh_dims_beyond_the_data_parallel_dims_is_refused_by_name():
+    """A plain parameter (torch's ValueError), a mesh with a TP dim, several dims flattened into the shard dim, and a
+    parameter sharded on the mesh already: refused naming what and where, the module left as it was."""
+    from flatshard.testing import run_distributed
+
+    run_distributed(_refusals, 2, timeout=120)
