@@ -39,9 +39,10 @@ def _trained(rank: int, world_size: int, impl: str, hsdp: bool) -> dict:
     else:
         from torch.distributed.fsdp import fully_shard
     if hsdp:
-        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp_replicate", "dp_shard"))
+        replicas = 2 if world_size == 4 else 1
+        mesh = init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("dp_replicate", "dp_shard"))
         dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
-        batch = (Replicate(), Shard(0))
+        batch = (Shard(0), Shard(0)) if replicas > 1 else (Replicate(), Shard(0))
     else:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
         dims = DataParallelMeshDims(shard="dp_shard")
@@ -71,13 +72,14 @@ def _both(rank: int, world_size: int, hsdp: bool) -> dict:
     return {impl: _trained(rank, world_size, impl, hsdp) for impl in ("torch", "flatshard")}
 
 
-@pytest.mark.parametrize("hsdp", [False, True], ids=["shard", "replicate_shard"])
-def test_dp_mesh_dims_trains_as_torch_fsdp2(hsdp):
+@pytest.mark.parametrize("hsdp,world_size", [(False, 2), (True, 2), (True, 4)],
+                         ids=["shard", "replicate_shard_1x2", "replicate_shard_2x2"])
+def test_dp_mesh_dims_trains_as_torch_fsdp2(hsdp, world_size):
     """Losses, gradients, placements and every rank's local parameters after three steps: equal to torch's FSDP2 given
     the same SPMD mesh, dp_mesh_dims and DTensor inputs (fp32; rtol 1e-6, as the reduction order may differ)."""
     from flatshard.testing import run_distributed
 
-    for rank, out in enumerate(run_distributed(_both, 2, hsdp, timeout=120)):
+    for rank, out in enumerate(run_distributed(_both, world_size, hsdp, timeout=120)):
         theirs, ours = out["torch"], out["flatshard"]
         assert ours["unsharded"] == theirs["unsharded"] == "DTensor", rank  # (the registered sharded parameter)
         torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=1e-6, atol=0)
