@@ -307,7 +307,7 @@ def _refusals(meshes: dict) -> list[str]:
     from torch.distributed.fsdp import DataParallelMeshDims
 
     expect(lambda: tp_linear(mesh), lambda m: fully_shard(m, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")),
-           NotImplementedError, "dp_mesh_dims", "over a mesh of dims ('dp', 'tp')", "data-parallel dims alone")
+           ValueError, "Expected param's DTensor mesh to be the same mesh passed to fully_shard", "'weight'")
     wide = meshes["4x1"]  # (a shard group of 4: resharding to pairs after forward)
     expect(lambda: tp_linear(wide), lambda m: fully_shard(m, mesh=wide["dp"], reshard_after_forward=2),
            NotImplementedError, "'weight'", "reshard_after_forward=2")

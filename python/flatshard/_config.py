@@ -77,9 +77,9 @@ class UnitConfig:
     # The unsharded parameters registered on the modules while the unit is unsharded (torch FSDP2's: parameters()
     # in forward yields them, e.g. HF's `self.dtype` reads param_dtype), not only shadowing the registered ones
     registers_unsharded: bool = False
-    # fully_shard's dp_mesh_dims: the parameters are DTensors on ``mesh`` itself (see [Note: An SPMD mesh of
-    # data-parallel dims alone] in _fsdp2_config.py)
-    spmd: bool = False
+    # fully_shard's dp_mesh_dims: the full SPMD mesh the parameters are DTensors on, and the indices of its
+    # data-parallel dims (``mesh`` is their submesh); see [Note: torch's SPMD path] in _fsdp2_config.py
+    spmd: tuple[Any, frozenset[int]] | None = None
     # fully_shard's set_gradient_divide_factor and set_force_sum_reduction_for_comms (predivide and postdivide follow)
     gradient_divide_factor: float | None = None
     force_sum_reduction: bool = False

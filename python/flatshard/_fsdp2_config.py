@@ -226,8 +226,9 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     """The configuration of the unit ``fully_shard`` makes of ``module``."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    if dp_mesh_dims is not None:
-        _check_spmd_mesh(module, mesh, dp_mesh_dims)
+    spmd = None
+    if dp_mesh_dims is not None:  # (the data-parallel dims' submesh from here on)
+        mesh, spmd = _spmd_submesh(module, mesh, dp_mesh_dims)
     mesh = mesh if mesh is not None else default_mesh()
     _check_supported(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     if (isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory and
@@ -294,37 +295,42 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
         # Without grad as with it (torch FSDP2's): the root keeps its parameters unless told to free them.
         reshard_after_no_grad_forward=False,
         registers_unsharded=True,
-        spmd=dp_mesh_dims is not None,
+        spmd=spmd,
     )
 
 
-# [Note: An SPMD mesh of data-parallel dims alone]
+# [Note: torch's SPMD path]
 # With ``dp_mesh_dims``, torch's FSDP2 takes a mesh on which every parameter is already a DTensor (torchtitan's
-# "full_dtensor" backend: ``distribute_module``, then ``fully_shard``; its inputs are DTensors too) and shards over
-# the dims it names. flatshard takes the case where the mesh has no other dim (no TP, CP or EP dim: data parallelism
-# alone): the mesh is then the 1-D one (``shard``) or HSDP's 2-D one (``replicate``, ``shard``) fully_shard takes
-# without ``dp_mesh_dims``, and each parameter a DTensor replicated on it. Such a parameter goes the way of a
-# tensor-parallel one (see [Note: Tensor-parallel parameters] in _tensor_parallel.py) with the mesh itself as its
-# "TP mesh": its local tensor (the whole value) is sharded, the sharded parameter is ``Shard(0)`` on the mesh
-# (HSDP: ``(Replicate(), Shard(0))``), and in forward and backward the module holds the unsharded value as the DTensor
-# replicated on the mesh it was, as torch's does. Its gradient's local tensor is reduced as it comes, Partial or
-# Replicate on the data-parallel dims, as torch's keeps those placements for its reduce-scatter
-# (``_TPView.backward``). Refused: a mesh with other dims, several dims flattened into one, replication alone (DDP),
-# a parameter not replicated on the mesh (NotImplementedError, naming it); a plain tensor parameter (torch's
-# ValueError).
-def _check_spmd_mesh(module: nn.Module, mesh: Any, dp_mesh_dims: Any) -> None:
+# "full_dtensor" backend: ``distribute_module``, or its TP plan on the full mesh, then ``fully_shard``; its inputs are
+# DTensors too) and shards over the dims ``dp_mesh_dims`` names: one shard dim and at most one replicate dim here (torch
+# also flattens several into one: refused by name), the others (TP's, CP's) left as they are. Each parameter goes the
+# way of a tensor-parallel one (see [Note: Tensor-parallel parameters] in _tensor_parallel.py), with the full mesh as
+# its "TP mesh": its local tensor is sharded over the shard dim's group (the groups come from the data-parallel dims'
+# submesh, ``config.mesh``); the sharded parameter is a DTensor on the full mesh whose shard dim's placement becomes
+# ``Shard(d)`` (``_StridedShard`` where a later mesh dim shards d too), the others kept, as torch's; in forward and
+# backward the module holds the unsharded value as the DTensor it was. Its gradient keeps its placements on the
+# data-parallel dims (Partial or Replicate: its local tensor is what the reduce-scatter sums) and is redistributed to
+# the parameter's placements on the others (a Partial over TP all-reduced there), as torch's ``_get_grad_inner_tensor``
+# does (``_TPView.backward``). Refused: a data-parallel dim that is not Replicate (torch's ValueError), a parameter on
+# another mesh or Partial on it, several dims flattened into one, replication alone (DDP), reshard_after_forward as an
+# int; a plain tensor parameter gets torch's ValueError.
+def _spmd_submesh(module: nn.Module, mesh: Any, dp_mesh_dims: Any) -> tuple[Any, tuple[Any, frozenset[int]]]:
+    """(the data-parallel dims' submesh, (the full mesh, their indices in it)) for ``dp_mesh_dims``."""
     name = type(module).__name__
     if mesh is None:
         raise ValueError(f"fully_shard({name}): dp_mesh_dims names dims of the mesh given as mesh=, and none was given")
     shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
     dims = tuple(mesh.mesh_dim_names or ())
-    if len(shard) != 1 or len(replicate) > 1 or dims != (*replicate, *shard):
+    wanted = (*replicate, *shard)
+    if len(shard) != 1 or len(replicate) > 1 or not set(wanted) <= set(dims) or \
+            [d for d in dims if d in wanted] != list(wanted):
         raise NotImplementedError(
             f"fully_shard({name}): dp_mesh_dims (shard={dp_mesh_dims.shard!r}, replicate={dp_mesh_dims.replicate!r}) "
-            f"over a mesh of dims {dims}: flatshard supports torch's SPMD path on a mesh of the data-parallel dims "
-            f"alone, one shard dim after at most one replicate dim (here {(*replicate, *shard)}); for tensor "
-            f"parallelism beneath FSDP pass parameters over a separate TP mesh and fully_shard(..., mesh=world_mesh"
-            f"['dp']) without dp_mesh_dims (see [Note: Tensor-parallel parameters]).")
+            f"over a mesh of dims {dims}: flatshard supports torch's SPMD path with one shard dim, after at most one "
+            f"replicate dim, of the mesh (not several flattened into one, nor replication alone; see [Note: torch's "
+            f"SPMD path]).")
+    indices = frozenset(dims.index(d) for d in wanted)
+    return (mesh if len(wanted) == mesh.ndim else mesh[wanted]), (mesh, indices)
 
 
 def _divides_in_collectives(reduce_dtype: torch.dtype | None, force_sum: bool) -> bool:
@@ -396,7 +402,7 @@ def take_tp_locals(modules: list[nn.Module], config: UnitConfig, reshard_after_f
             if p in ignored or getattr(p, OWNER_ATTR, None) is not None:
                 continue
             if not _is_dtensor(p):
-                if config.spmd:  # (torch's ValueError and phrase: see [Note: An SPMD mesh of data-parallel dims alone])
+                if config.spmd is not None:  # (torch's ValueError and phrase: see [Note: torch's SPMD path])
                     raise ValueError(f"When dp_mesh_dims is provided, all parameters must be DTensors on the full "
                                      f"SPMD mesh (e.g. via distribute_module). Got plain tensor for parameter "
                                      f"'{name}'.")
@@ -430,26 +436,14 @@ def _describe(name: str, p: Any, config: UnitConfig, reshard_after_forward: Any,
     spec = p._spec
     tp_mesh, tp_placements = spec.mesh, tuple(spec.placements)
     where = f"fully_shard: parameter '{name}' is a DTensor over {tp_mesh}"
-    if config.spmd:  # see [Note: An SPMD mesh of data-parallel dims alone]
-        if tp_mesh != dp_mesh or not all(pl.is_replicate() for pl in tp_placements):
-            raise NotImplementedError(f"{where} with placements {tp_placements}; with dp_mesh_dims flatshard takes "
-                                      f"parameters replicated on the mesh given (distribute_module's), not otherwise "
-                                      f"placed.")
-        if reshard_after_forward is not None:
-            raise NotImplementedError(f"{where}: resharding to a smaller mesh after forward (reshard_after_forward="
-                                      f"{reshard_after_forward}) with dp_mesh_dims; pass True or False.")
-        dim = 0 if shard_placement_fn is None else shard_dims(lambda _local: shard_placement_fn(p), dp_mesh,
-                                                              [p._local_tensor], [name], config.world_size)[0]
-        dp_placements = (Shard(dim),) if dp_mesh.ndim == 1 else (Replicate(), Shard(dim))
-        return _tensor_parallel.TPParam(dp_mesh, tp_placements, spec.shape, tuple(spec.stride), dp_mesh,
-                                        dp_placements, dim)
+    if config.spmd is not None:  # see [Note: torch's SPMD path]
+        return _describe_on_spmd_mesh(name, p, config, reshard_after_forward, shard_placement_fn)
     dp_names = set(dp_mesh.mesh_dim_names or ())
     if tp_mesh is dp_mesh or (tp_mesh.mesh_dim_names and dp_names & set(tp_mesh.mesh_dim_names)):
         raise NotImplementedError(f"{where}, which shares a dim with fully_shard's mesh {dp_mesh}: that is torch's "
-                                  f"SPMD path, which takes dp_mesh_dims (flatshard's: on a mesh of the data-parallel "
-                                  f"dims alone); otherwise flatshard supports a parameter over a TP mesh separate from "
-                                  f"the DP mesh, as parallelize_module(block, world_mesh['tp'], plan) then "
-                                  f"fully_shard(block, mesh=world_mesh['dp']) make.")
+                                  f"SPMD path, which takes dp_mesh_dims; otherwise flatshard supports a parameter "
+                                  f"over a TP mesh separate from the DP mesh, as parallelize_module(block, "
+                                  f"world_mesh['tp'], plan) then fully_shard(block, mesh=world_mesh['dp']) make.")
     if tp_mesh.ndim != 1:
         raise NotImplementedError(f"{where} of {tp_mesh.ndim} dims: flatshard's fully_shard supports tensor "
                                   f"parallelism over a 1-D mesh beneath it (no EP+TP yet).")
@@ -475,3 +469,40 @@ def _describe(name: str, p: Any, config: UnitConfig, reshard_after_forward: Any,
     mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
     return _tensor_parallel.TPParam(tp_mesh, tp_placements, spec.shape, tuple(spec.stride), mesh,
                                     dp_placements + tp_placements, dim)
+
+
+def _describe_on_spmd_mesh(name: str, p: Any, config: UnitConfig, reshard_after_forward: Any,
+                           shard_placement_fn: Callable | None) -> _tensor_parallel.TPParam:
+    """``_describe`` for a parameter on the full mesh ``dp_mesh_dims`` came with (see [Note: torch's SPMD path])."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dp_mesh = config.mesh
+    spec = p._spec
+    tp_mesh, tp_placements = spec.mesh, tuple(spec.placements)
+    where = f"fully_shard: parameter '{name}' is a DTensor over {tp_mesh}"
+    full, dp_indices = config.spmd
+    if tp_mesh != full:  # (torch's ValueError and phrase)
+        raise ValueError(f"Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
+                         f"different mesh objects ({where}; fully_shard was given {full} with dp_mesh_dims)")
+    for i in sorted(dp_indices):  # (torch's ValueError and phrase)
+        if not tp_placements[i].is_replicate():
+            raise ValueError(f"Expected Replicate() on DP dim '{full.mesh_dim_names[i]}' (index {i}) but got "
+                             f"{tp_placements[i]} (parameter '{name}')")
+    if not all(isinstance(pl, (Shard, Replicate)) and type(pl) is not _StridedShard for pl in tp_placements):
+        raise NotImplementedError(f"{where} with placements {tp_placements}: fully_shard takes parameters sharded "
+                                  f"(Shard) or replicated (Replicate) on the mesh's other dims, not partial ones.")
+    if reshard_after_forward is not None:
+        raise NotImplementedError(f"{where}: resharding to a smaller mesh after forward (reshard_after_forward="
+                                  f"{reshard_after_forward}) with dp_mesh_dims; pass True or False.")
+    dim = 0 if shard_placement_fn is None else shard_dims(lambda _local: shard_placement_fn(p), dp_mesh,
+                                                          [p._local_tensor], [name], config.world_size)[0]
+    shard_index = max(dp_indices)  # (the shard dim comes after the replicate dim)
+    split = 1
+    for j in range(shard_index + 1, full.ndim):
+        if isinstance(tp_placements[j], Shard) and tp_placements[j].dim == dim:
+            split *= full.size(j)
+    placements = list(tp_placements)
+    placements[shard_index] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    return _tensor_parallel.TPParam(full, tp_placements, spec.shape, tuple(spec.stride), full, tuple(placements),
+                                    dim)

@@ -22,8 +22,8 @@ csrc/flatshard/flat_param.h), ``mp_policy`` (every field), ``CPUOffloadPolicy`` 
 ``ignored_params``, ``shard_placement_fn`` giving ``Shard(i)`` (see [Note: Sharding on another dim] in
 csrc/flatshard/layout.h), and parameters that are DTensors over a TP mesh (see [Note: Tensor-parallel parameters] in
 _tensor_parallel.py). What it does not support yet raises NotImplementedError naming the argument or method:
-meshes of 3 or more dims, ``dp_mesh_dims`` beyond a mesh of the data-parallel dims alone (see [Note: An SPMD mesh
-of data-parallel dims alone] in _fsdp2_config.py), a parameter given a mesh of its own, and the FSDPModule methods listed
+meshes of 3 or more dims (but see ``dp_mesh_dims``: [Note: torch's SPMD path] in _fsdp2_config.py), a parameter
+given a mesh of its own, and the FSDPModule methods listed
 in ``_NOT_YET``. A list of modules is one unit (see
 [Note: A list of modules]).
 """

@@ -20,8 +20,8 @@ a block's matrices over a TP mesh first (``parallelize_module``: each such param
   gradients of tensor-parallel parameters] below).
 Refused by name: ``reshard_after_forward`` as an int (torch's FSDP2
 refuses it too), a TP mesh of more than one dim, a parameter over the DP mesh itself without ``dp_mesh_dims`` (torch's
-SPMD path: with it, such parameters go this way too, see [Note: An SPMD mesh of data-parallel dims alone] in
-_fsdp2_config.py), and a ``Partial`` parameter.
+SPMD path: with it, such parameters go this way too, see [Note: torch's SPMD path] in _fsdp2_config.py), and a
+``Partial`` parameter.
 """
 
 from __future__ import annotations
@@ -101,8 +101,12 @@ class _TPView(torch.autograd.Function):
         wanted = s.tp_params[index].tp_placements
         got = grad.placements
         local = grad._local_tensor
-        if got == wanted or s.config.spmd:  # (SPMD: as it comes, see [Note: An SPMD mesh of data-parallel dims
-            return local, None, None  # alone] in _fsdp2_config.py)
+        if s.config.spmd is not None:  # (see [Note: torch's SPMD path] in _fsdp2_config.py)
+            dp_indices = s.config.spmd[1]
+            target = tuple(g if i in dp_indices else w for i, (g, w) in enumerate(zip(got, wanted)))
+            return (local if target == got else grad.redistribute(placements=target)._local_tensor), None, None
+        if got == wanted:
+            return local, None, None
         if all(g == w or (w.is_replicate() and g.is_partial("sum")) for g, w in zip(got, wanted)):
             held = s.tp_partial.get(index)
             s.tp_partial[index] = local if held is None else held + local
