@@ -413,8 +413,9 @@ def take_tp_locals(modules: list[nn.Module], config: UnitConfig, reshard_after_f
     taken: dict[int, _tensor_parallel.TPParam] = {}
     replacement: dict[int, nn.Parameter] = {}
     for name, p in found.values():
-        info = _describe(name, p, config, reshard_after_forward if config.post_forward_group is not None else None,
-                         shard_placement_fn)
+        describe = _describe if config.spmd is None else _describe_on_spmd_mesh  # (see [Note: torch's SPMD path])
+        info = describe(name, p, config, reshard_after_forward if config.post_forward_group is not None else None,
+                        shard_placement_fn)
         local = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
         replacement[id(p)] = local
         taken[id(local)] = info
@@ -436,8 +437,6 @@ def _describe(name: str, p: Any, config: UnitConfig, reshard_after_forward: Any,
     spec = p._spec
     tp_mesh, tp_placements = spec.mesh, tuple(spec.placements)
     where = f"fully_shard: parameter '{name}' is a DTensor over {tp_mesh}"
-    if config.spmd is not None:  # see [Note: torch's SPMD path]
-        return _describe_on_spmd_mesh(name, p, config, reshard_after_forward, shard_placement_fn)
     dp_names = set(dp_mesh.mesh_dim_names or ())
     if tp_mesh is dp_mesh or (tp_mesh.mesh_dim_names and dp_names & set(tp_mesh.mesh_dim_names)):
         raise NotImplementedError(f"{where}, which shares a dim with fully_shard's mesh {dp_mesh}: that is torch's "
@@ -477,32 +476,32 @@ def _describe_on_spmd_mesh(name: str, p: Any, config: UnitConfig, reshard_after_
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    dp_mesh = config.mesh
-    spec = p._spec
-    tp_mesh, tp_placements = spec.mesh, tuple(spec.placements)
-    where = f"fully_shard: parameter '{name}' is a DTensor over {tp_mesh}"
     full, dp_indices = config.spmd
-    if tp_mesh != full:  # (torch's ValueError and phrase)
+    spec = p._spec
+    given = tuple(spec.placements)
+    if spec.mesh != full:  # (torch's ValueError and phrase)
         raise ValueError(f"Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
-                         f"different mesh objects ({where}; fully_shard was given {full} with dp_mesh_dims)")
+                         f"different mesh objects (parameter '{name}' is a DTensor over {spec.mesh}; fully_shard was "
+                         f"given {full} with dp_mesh_dims)")
     for i in sorted(dp_indices):  # (torch's ValueError and phrase)
-        if not tp_placements[i].is_replicate():
+        if not given[i].is_replicate():
             raise ValueError(f"Expected Replicate() on DP dim '{full.mesh_dim_names[i]}' (index {i}) but got "
-                             f"{tp_placements[i]} (parameter '{name}')")
-    if not all(isinstance(pl, (Shard, Replicate)) and type(pl) is not _StridedShard for pl in tp_placements):
-        raise NotImplementedError(f"{where} with placements {tp_placements}: fully_shard takes parameters sharded "
-                                  f"(Shard) or replicated (Replicate) on the mesh's other dims, not partial ones.")
+                             f"{given[i]} (parameter '{name}')")
+    if not all(isinstance(pl, (Shard, Replicate)) and type(pl) is not _StridedShard for pl in given):
+        raise NotImplementedError(f"fully_shard: parameter '{name}' has placements {given} on {full}: fully_shard "
+                                  f"takes parameters sharded (Shard) or replicated (Replicate) on the mesh's other "
+                                  f"dims, not partial ones.")
     if reshard_after_forward is not None:
-        raise NotImplementedError(f"{where}: resharding to a smaller mesh after forward (reshard_after_forward="
-                                  f"{reshard_after_forward}) with dp_mesh_dims; pass True or False.")
-    dim = 0 if shard_placement_fn is None else shard_dims(lambda _local: shard_placement_fn(p), dp_mesh,
+        raise NotImplementedError(f"fully_shard: parameter '{name}': resharding to a smaller mesh after forward "
+                                  f"(reshard_after_forward={reshard_after_forward}) with dp_mesh_dims; pass True or "
+                                  f"False.")
+    dim = 0 if shard_placement_fn is None else shard_dims(lambda _local: shard_placement_fn(p), config.mesh,
                                                           [p._local_tensor], [name], config.world_size)[0]
     shard_index = max(dp_indices)  # (the shard dim comes after the replicate dim)
-    split = 1
+    split = 1  # (the later dims that shard `dim` too: this dim's FSDP chunks are strided)
     for j in range(shard_index + 1, full.ndim):
-        if isinstance(tp_placements[j], Shard) and tp_placements[j].dim == dim:
+        if isinstance(given[j], Shard) and given[j].dim == dim:
             split *= full.size(j)
-    placements = list(tp_placements)
-    placements[shard_index] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
-    return _tensor_parallel.TPParam(full, tp_placements, spec.shape, tuple(spec.stride), full, tuple(placements),
-                                    dim)
+    sharded = list(given)
+    sharded[shard_index] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    return _tensor_parallel.TPParam(full, given, spec.shape, tuple(spec.stride), full, tuple(sharded), dim)
