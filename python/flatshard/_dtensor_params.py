@@ -25,7 +25,7 @@ in _orig_params.py, whose functions hand over to these for a unit with ``config.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from weakref import ref
 
 import torch
@@ -91,13 +91,13 @@ def own_storages(module: nn.Module, state_dict: dict, prefix: str) -> None:
             state_dict[prefix + attr] = on_spec_of(value, _C.alias_with_own_storage(value._local_tensor))
 
 
-def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """``local`` as this rank's part of parameter ``index``, a DTensor of ``shape``: ``Shard(d)`` on its shard dim
-    (0 unless shard_placement_fn said otherwise), and ``Replicate()`` over HSDP's first mesh dim. Built on ``local``
-    itself, wherever it is: ``DTensor.from_local`` would copy a host shard (CPUOffloadPolicy, move_shards_to_host) to
-    the mesh's device, so that the parameter would no longer be the shard (seen on a GPU, 2026-11-28); torch's FSDP2
-    builds its host DTensors the same way."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def _spec(s: UnitState, index: int, local: torch.Tensor, shape: list[int]) -> Any:
+    """The DTensorSpec of parameter ``index`` with ``local`` as this rank's part, a DTensor of ``shape``: ``Shard(d)``
+    on its shard dim (0 unless shard_placement_fn said otherwise), and ``Replicate()`` over HSDP's first mesh dim. The
+    parameter is built on ``local`` itself, wherever it is (``sharded_param``): ``DTensor.from_local`` would copy a
+    host shard (CPUOffloadPolicy, move_shards_to_host) to the mesh's device, so that the parameter would no longer be
+    the shard (seen on a GPU, 2026-11-28); torch's FSDP2 builds its host DTensors the same way."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     tp = s.tp_params.get(index)
@@ -108,8 +108,7 @@ def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int])
         dim = _rows(s)[index][3]
         placements = (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
     meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), local.dtype)
-    with torch.no_grad():
-        return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
 
 
 # [Note: A parameter's wrapper at offset 0]
@@ -126,13 +125,14 @@ def _as_dtensor(s: UnitState, index: int, local: torch.Tensor, shape: list[int])
 # (``p.detach()``, ``state_dict()``'s) are torch's wrappers at the offset: see [Note: A state dict's tensors have
 # storages of their own].
 def sharded_param(s: UnitState, index: int, local: torch.Tensor, shape: list[int], requires_grad: bool) -> nn.Parameter:
-    """``nn.Parameter(_as_dtensor(...))``, its wrapper at storage offset 0 (see the Note)."""
-    dtensor = _as_dtensor(s, index, local, shape)
-    if _NEW_DTENSOR is None or local.storage_offset() == 0:
-        return nn.Parameter(dtensor, requires_grad=requires_grad)
+    """Parameter ``index`` as an ``nn.Parameter`` holding a DTensor over ``local`` (``_spec``), its wrapper at storage
+    offset 0 (see the Note)."""
+    spec = _spec(s, index, local, shape)
     with torch.no_grad():
-        param = _NEW_DTENSOR(type(dtensor), local.as_strided(local.shape, local.stride(), 0), dtensor._spec,
-                             requires_grad=requires_grad)
+        if _NEW_DTENSOR is None:  # (torch 2.11: at offset 0 already)
+            return nn.Parameter(_DTensor(local, spec, requires_grad=False), requires_grad=requires_grad)
+        base = local if local.storage_offset() == 0 else local.as_strided(local.shape, local.stride(), 0)
+        param = _NEW_DTENSOR(_DTensor, base, spec, requires_grad=requires_grad)
     param._local_tensor = local
     param._is_param = True
     return param

@@ -322,8 +322,7 @@ def _spmd_submesh(module: nn.Module, mesh: Any, dp_mesh_dims: Any) -> tuple[Any,
     shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
     dims = tuple(mesh.mesh_dim_names or ())
     wanted = (*replicate, *shard)
-    if len(shard) != 1 or len(replicate) > 1 or not set(wanted) <= set(dims) or \
-            [d for d in dims if d in wanted] != list(wanted):
+    if len(shard) != 1 or len(replicate) > 1 or [d for d in dims if d in wanted] != list(wanted):
         raise NotImplementedError(
             f"fully_shard({name}): dp_mesh_dims (shard={dp_mesh_dims.shard!r}, replicate={dp_mesh_dims.replicate!r}) "
             f"over a mesh of dims {dims}: flatshard supports torch's SPMD path with one shard dim, after at most one "
