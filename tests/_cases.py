@@ -19,17 +19,37 @@ before the first case; its result is passed to every case.
 
 from __future__ import annotations
 
+import atexit
 import gc
+import os
+import shutil
+import tempfile
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Hashable
 
 from flatshard.testing import check_same_outcome, run_distributed
 
-__all__ = ["CaseRun", "WORLD_SIZES", "run_cases"]
+__all__ = ["CaseRun", "WORLD_SIZES", "run_cases", "scratch_dir"]
 
 #: World sizes every distributed test of this suite runs at (pytest param list).
 WORLD_SIZES = [1, 2, 4]
+
+
+def scratch_dir(prefix: str) -> str:
+    """A directory name for the files a test module's ranks write (checkpoints), unique to this process and
+    removed when it exits. Named, not made: a module imported in every process (each pytest worker, each rank
+    that unpickles a case function) makes nothing; what writes there (``dcp.save``) makes it, under the name
+    the pytest process passed to its ranks."""
+    owner = os.getpid()
+    path = os.path.join(tempfile.gettempdir(), f"{prefix}{owner}")
+
+    def remove() -> None:
+        if os.getpid() == owner:  # not in a process forked from this one, which inherits the handler
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+    return path
 
 
 def run_cases(rank: int, world_size: int, case_fn: Callable, names: list[str], cases: list, args: tuple,

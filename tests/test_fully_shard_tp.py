@@ -238,6 +238,7 @@ def _interchange(case: str, meshes: dict) -> list[str]:
     """Two steps, a DCP checkpoint of model and Adam state (torch's state_dict helpers) by one implementation, two
     steps more; the other implementation, built with other weights, loads it and takes the same two steps: the same
     losses, bit for bit."""
+    import shutil
     import tempfile
 
     import torch.distributed as dist
@@ -262,6 +263,9 @@ def _interchange(case: str, meshes: dict) -> list[str]:
     dcp.load(state, checkpoint_id=path[0])
     set_state_dict(other, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     resumed = _train(other, "gpt_tp_mlp", dp_rank, 2, range(2, 4), opt)["losses"]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
     return [] if resumed == went_on else [f"{loader} resumed {saver}'s checkpoint with losses {resumed}, {saver} went "
                                           f"on with {went_on}"]
 

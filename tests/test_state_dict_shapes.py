@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import tempfile
 import warnings
 
 import pytest
@@ -30,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from _cases import CaseRun
+from _cases import CaseRun, scratch_dir
 from models import SHAPES, build_shape, fsdp_class
 
 TYPES = ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"]
@@ -144,7 +143,7 @@ def _interchange_cases(world_size: int):
                         for s, k, u, w in cases]
 
 
-_CHECKPOINTS = tempfile.mkdtemp(prefix="flatshard-interchange-")
+_CHECKPOINTS = scratch_dir("flatshard-interchange-")
 INTERCHANGE = CaseRun(_interchange, _interchange_cases, _CHECKPOINTS, timeout=300.0)
 
 

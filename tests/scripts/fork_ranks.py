@@ -19,6 +19,7 @@ import ctypes
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import sys
@@ -82,6 +83,8 @@ for run in range(runs):
         with open(os.path.join(logs, f"{run}-{rank}.log"), errors="replace") as f:
             output = f.read()
         print(json.dumps({"run": run, "rank": rank, "status": codes[rank], "output": output}), flush=True)
+if child is None:
+    shutil.rmtree(logs, ignore_errors=True)
 
 if child is not None:  # a rank: the script runs here, at top level, and its end is this process's end
     rank, port, log = child
