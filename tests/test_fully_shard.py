@@ -47,7 +47,8 @@ CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_af
          "cast_with_gradients",
          "matrices_on_dim_1", "all_reduce_hook", "fp16_all_reduce_hook", "half_model", "no_forward_prefetch",
          "hsdp_1x2_reduce_scatter_only_all_reduce_hook", "frozen_base_weights_all_reduce_hook",
-         "two_reduce_scatters_in_flight", "separate_reduce_scatter_group"]
+         "two_reduce_scatters_in_flight", "separate_reduce_scatter_group", "optimizer_in_backward",
+         "optimizer_in_backward_no_gradient_sync", "optimizer_in_backward_cpu_offload"]
 WORLD_SIZES = [1, 2, 4]
 # What block 0's pre-forward has issued (see [Note: Forward prefetch where the host is the device]): the block
 # checked, from which forward on, and whether it is gathered by then. Implicit: the next block in the previous
@@ -56,14 +57,15 @@ FORWARD_PREFETCH = {"reshard_after_forward=True": (1, 2, True), "explicit_prefet
                     "no_forward_prefetch": (1, 1, False)}
 # At W = 1 a unit is replicated (nothing gathered, no copy-out): the cases whose code differs there.
 W1_CASES = ["reshard_after_forward=None", "no_gradient_sync", "bf16_params_fp32_reduce", "meta_then_to_empty",
-            "divide_factor"]
+            "divide_factor", "optimizer_in_backward"]
 # At W = 4 every unit's last rank holds fewer rows than the others (the position table's 1 row of 3): the cases
 # whose code or arithmetic depends on the world size beyond that (the gathers and reductions of each resharding
 # and precision path, no_sync, sharding on meta; fp16's divide factors); the rest (frozen, ignored and
 # checkpointed parameters, bf16 outputs) go through the same code at W = 2.
 W4_CASES = ["reshard_after_forward=None", "reshard_after_forward=False", "no_gradient_sync", "meta_then_to_empty",
             "bf16_params_fp32_reduce", "fp16_params_and_reduce", "frozen_base_weights", "reshard_after_forward=2",
-            "reshard_after_forward=2_bf16", "matrices_on_dim_1", "half_model_all_reduce_hook"]
+            "reshard_after_forward=2_bf16", "matrices_on_dim_1", "half_model_all_reduce_hook",
+            "optimizer_in_backward_no_gradient_sync"]
 # At W = 4 only: HSDP on a 2x2 mesh (replicate, shard), resharding after forward or not.
 HSDP_CASES = ["hsdp_2x2", "hsdp_2x2_reshard_after_forward=False", "hsdp_2x2_reduce_scatter_only",
               "hsdp_2x2_all_reduce_hook"]
@@ -114,7 +116,7 @@ def _build(impl: str, case: str) -> nn.Module:
         from torch.distributed.tensor import Shard
 
         kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 else None
-    if case == "cpu_offload":  # (no pinning without a GPU, torch's and ours)
+    if case.endswith("cpu_offload"):  # (no pinning without a GPU, torch's and ours)
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
@@ -203,7 +205,11 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
     opt = (torch.optim.SGD if case.startswith("half_model") else torch.optim.Adam)(
         [p for p in model.parameters() if p.requires_grad], lr=LR)
     losses, grads = [], []
+    if case.startswith("optimizer_in_backward"):
+        _step_in_backward(model)
     for step in range(STEPS):
+        if case.startswith("optimizer_in_backward"):
+            model.grads_in_hooks.clear()
         tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=step), rank, world_size)
         if case.endswith(("no_gradient_sync", "kept_after_backward", "kept_after_backward_synced")) or \
                 "reduce_scatter_only" in case:
@@ -225,11 +231,31 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
         if case == "cast_with_gradients" and step == 0:  # (.float() of an fp32 model with gradients: a no-op, as
             model.float()  # torch's; a cast to another dtype after the first forward fails in torch's FSDP2 2.13)
         grads = [None if p.grad is None else _local(p.grad).clone() for p in model.parameters()]
+        if case.startswith("optimizer_in_backward"):  # (every .grad None: each was stepped and zeroed in its hook)
+            grads = [model.grads_in_hooks.get(name) for name, _ in model.named_parameters()]
+            model.post_accumulate_calls.append(None)  # (a step's end)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "params": [_local(p).detach().clone() for p in model.parameters()],
             "names": [n for n, _ in model.named_parameters()]}
+
+
+def _step_in_backward(model: nn.Module) -> None:
+    """torchtune's optimizer in backward: a per-parameter Adam stepped and zeroed in each parameter's
+    post-accumulate-grad hook; the hooks' calls (parameter names, in order) and the gradients they saw are kept."""
+    names = {p: name for name, p in model.named_parameters()}
+    optimizers = {p: torch.optim.Adam([p], lr=LR) for p in model.parameters() if p.requires_grad}
+    model.post_accumulate_calls, model.grads_in_hooks = [], {}
+
+    def step(p: torch.Tensor) -> None:
+        model.post_accumulate_calls.append(names[p])
+        model.grads_in_hooks[names[p]] = _local(p.grad).clone()
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in optimizers:
+        p.register_post_accumulate_grad_hook(step)
 
 
 def _accumulation_flags(case: str) -> tuple[list, list]:
@@ -291,6 +317,9 @@ def _parity(rank: int, world_size: int, case: str) -> list[str]:
             if handle.collective_bytes["all_gather"] != want:
                 problems.append(f"{name} all-gathered {handle.collective_bytes['all_gather']} bytes in {STEPS} steps, "
                                 f"not {want} (its shard in forward, twice that in backward)")
+    if case.startswith("optimizer_in_backward") and model.post_accumulate_calls != torch_model.post_accumulate_calls:
+        problems.append(f"the post-accumulate-grad hooks ran for {model.post_accumulate_calls}, torch's for "
+                        f"{torch_model.post_accumulate_calls}")
     if "all_reduce_hook" in case and sorted(model.hook_calls) != sorted(torch_model.hook_calls):
         problems.append(f"the all-reduce hooks saw {sorted(model.hook_calls)}, torch's {sorted(torch_model.hook_calls)}")
     if case == "separate_reduce_scatter_group" and world_size > 1:  # every reduce-scatter over the group of their own

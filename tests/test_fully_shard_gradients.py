@@ -185,6 +185,7 @@ from types import SimpleNamespace as NS
 from flatshard import _rank_guard
 p = NS(requires_grad=True, grad=None)
 s = NS(config=NS(dim0_layout=True), reduce_unused=False, orig_grad_seen=[True, False], orig_grad_held=[False, False],
+       grads_handed_out=False,
        flat_param=NS(grad=object()),
        name="block", param_local_names=["a.weight", "b.weight"], orig_params=[p, p], label="block")
 root = NS(units=[NS(_unit_state=s)])

@@ -94,13 +94,17 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, more_mod
     """
     s = unit._unit_state
     unit_mods = list(unit_modules(module, s.config.ignored_modules))
+    members = [unit_mods]
     for index, more in enumerate(more_modules, start=1):
-        unit_mods += [(join(str(index), prefix), m) for prefix, m in unit_modules(more, s.config.ignored_modules)
-                      if all(m is not seen for _, seen in unit_mods)]
+        members.append([(join(str(index), prefix), m) for prefix, m in unit_modules(more, s.config.ignored_modules)
+                        if all(m is not seen for _, seen in unit_mods)])
+        unit_mods += members[-1]
     _mark_managed(unit_mods)
     meta_originals = _materialize(s, unit_mods)
     params, names, local_names, slots = _collect_params(s, unit_mods, s.config.ignored_params)
     s.param_slots = slots
+    if s.config.dim0_layout:
+        s.fsdp2_param_order = _fsdp2_param_order(members, slots)
     s.param_names = names
     s.param_local_names = local_names
     s.handle = None
@@ -113,6 +117,28 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, more_mod
             setattr(meta_originals[id(p)], OWNER_ATTR, (s.name, fqn))
     layout = _build_handle(s, params, local_names)
     _register(unit, s, params, layout)
+
+
+def _fsdp2_param_order(members: list[list[tuple[str, nn.Module]]], slots: list[tuple[nn.Module, str, int]]) -> list[int]:
+    """The order of torch's FSDP2 parameter group for these parameters (indices into the flat order, which puts the
+    trainable first): each member module's subtree in post-order (children first), each module's own parameters as
+    registered, a shared one at its first place. What users see of it: the order of the post-accumulate-grad hooks."""
+    index_of = {(id(m), attr): index for m, attr, index in slots}
+    order: list[int] = []
+    for mods in members:  # (pre-order, with names: post-order by a stack of the modules not yet left)
+        post: list[nn.Module] = []
+        stack: list[tuple[str, nn.Module]] = []
+        for name, m in mods:
+            while stack and stack[-1][0] and not name.startswith(stack[-1][0] + "."):
+                post.append(stack.pop()[1])
+            stack.append((name, m))
+        post += [m for _, m in reversed(stack)]
+        for m in post:
+            for attr in m._parameters:
+                index = index_of.get((id(m), attr))
+                if index is not None and index not in order:
+                    order.append(index)
+    return order
 
 
 def _mark_managed(unit_mods: list[tuple[str, nn.Module]]) -> None:

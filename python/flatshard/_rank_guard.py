@@ -409,6 +409,14 @@ def _explain(ranks: list[int], everyone: list[dict[str, Any]]) -> str:
 # every rank the same ones: torch's FSDP2 hangs at the first such micro-batch; the call is the fix for both.
 
 
+def gradient_gaps(s: UnitState) -> list[int]:
+    """The trainable parameters of a reduced fully_shard unit that this rank's backward gave no gradient to."""
+    if not s.config.dim0_layout or all(s.orig_grad_seen) or s.flat_param.grad is None:
+        return []
+    return [i for i, (p, seen, held) in enumerate(zip(s.orig_params, s.orig_grad_seen, s.orig_grad_held))
+            if p.requires_grad and not (seen or held)]  # (one held from before keeps its .grad)
+
+
 def record_gradient_pattern(root: RootState) -> None:
     """At the end of a backward: which trainable parameters of each reduced fully_shard unit this rank's backward gave
     no gradient to (``root.without_grad``: unit label and parameter names, for the error) and its digest
@@ -417,10 +425,7 @@ def record_gradient_pattern(root: RootState) -> None:
     indices, named = [], []
     for position, u in enumerate(root.units):
         s = u._unit_state
-        if not s.config.dim0_layout or all(s.orig_grad_seen) or s.flat_param.grad is None:
-            continue
-        left = [i for i, (p, seen, held) in enumerate(zip(s.orig_params, s.orig_grad_seen, s.orig_grad_held))
-                if p.requires_grad and not (seen or held)]  # (one held from before keeps its .grad)
+        left = s.gradient_gaps if s.grads_handed_out else gradient_gaps(s)
         if left:
             prefix = f"{s.name}." if s.name else ""
             indices.append((position, left))

@@ -825,6 +825,23 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
         _comm_hooks.reduce(s)
         if ahead is not None:
             s.root.scheduler.unshard(ahead)
+    if reduce and s.config.dim0_layout and _orig_params.has_post_accumulate_grad_hooks(s):
+        _hand_out_grads_now(s)
+
+
+def _hand_out_grads_now(s: UnitState) -> None:
+    """The unit's gradients reduced and handed out in its post-backward, for its parameters' post-accumulate-grad
+    hooks (see [Note: Post-accumulate-grad hooks] in _orig_params.py)."""
+    root = s.root
+    try:
+        root.scheduler.finish_grad_sync()
+    except BaseException:  # (as at the end of backward: a fully_shard all-reduce hook's error)
+        abort_backward(root)
+        raise
+    if root.guard is not None:  # (before the gradient shard is let go of: see record_gradient_pattern)
+        s.gradient_gaps = _rank_guard.gradient_gaps(s)
+    s.grads_handed_out = True
+    _orig_params.hand_out_grads(s)
 
 
 def frozen_post_backward(s: UnitState, _grads: Any) -> None:
@@ -863,11 +880,12 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:
         s = unit._unit_state
         s.switch("end of backward")
+        handed_out, s.grads_handed_out = s.grads_handed_out, False  # (in its post-backward)
         if s.handle is not None and not s.holds_unsharded:
             if s.reshards_after_backward:
                 reshard(s)
-            if s.config.use_orig_params and s.sync_gradients:  # (reduced, whether or not the unit reshards)
-                _orig_params.use_grad_views(s, ends_accumulation=True)
+            if s.config.use_orig_params and s.sync_gradients and not handed_out:  # (reduced, resharded or not)
+                _orig_params.hand_out_grads(s)
 
 
 def abort_backward(root: RootState) -> None:
@@ -884,6 +902,7 @@ def abort_backward(root: RootState) -> None:
     for unit in root.units:
         s = unit._unit_state
         s.switch("abort of backward")
+        s.grads_handed_out = False
         for use in live_uses(s):
             use.finish()
         if s.handle is not None:

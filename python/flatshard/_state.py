@@ -109,6 +109,7 @@ class UnitState:
         "param_local_names",  # their names relative to the wrapped module
         "frozen_indices",  # use_orig_params: frozen parameters of a trainable unit
         "orig_params",  # use_orig_params: the original nn.Parameters, in flat order
+        "fsdp2_param_order",  # fully_shard: the orig_params in torch's FSDP2 order (indices; see _fsdp2_param_order)
         "orig_grad_seen",  # use_orig_params: which got a gradient since the last reduced backward
         "orig_grad_held",  # use_orig_params: which hold a .grad from the shard (given, not set to None since)
         "reduce_unused",  # fully_shard's set_reduce_scatter_unused_params: every parameter counts as seen
@@ -128,6 +129,9 @@ class UnitState:
         "explicit_unshard",  # whether they hold unshard()'s nn.Parameters: a forward or backward hands out its views
         "gather_bytes",  # the unsharded parameters' bytes (what gathering the unit allocates)
         "sync_gradients",  # False inside no_sync()
+        "grads_handed_out",  # fully_shard: this backward's gradients already are the parameters' .grad, handed out in its
+        # post-backward for their post-accumulate-grad hooks (see [Note: Post-accumulate-grad hooks] in _orig_params.py)
+        "gradient_gaps",  # its trainable parameters that got no gradient then, for the rank guard (indices)
         "reshards_after_backward",  # fully_shard's set_reshard_after_backward: False keeps the parameters unsharded
         # after backward, until a forward that reshards (gradient accumulation without the all-gathers)
         "forward_call",  # fully_shard: what its forward pre-hook hands its forward hook: (_runtime.ForwardCall,
@@ -181,6 +185,7 @@ class UnitState:
         self.param_local_names: list[str] = []
         self.frozen_indices: list[int] = []
         self.orig_params: list[nn.Parameter] = []
+        self.fsdp2_param_order: list[int] = []
         self.orig_grad_seen: list[bool] = []
         self.orig_grad_held: list[bool] = []
         self.reduce_unused = False
@@ -197,6 +202,8 @@ class UnitState:
         self.placeholders_set = True
         self.explicit_unshard = False
         self.sync_gradients = True
+        self.grads_handed_out = False
+        self.gradient_gaps: list[int] = []
         self.reshards_after_backward = True
         self.forward_call: Any = None
         self.dim0_rows: list | None = None
