@@ -193,11 +193,28 @@ def _refusals(rank: int, world_size: int) -> None:
                                          r"S\(0\) \(parameter 'weight'\)"):  # (torch's type and phrase)
         fully_shard(sharded, mesh=flat, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
     assert type(sharded).__name__ == "Linear"
+    # torch's checks, types and phrases: a dim the mesh lacks, a parameter on an equal mesh that is not the one given,
+    # an int reshard_after_forward.
+    model = nn.Linear(4, 4)
+    distribute_module(model, flat)
+    with pytest.raises(ValueError, match=r"Mesh dim name 'dp' not found in mesh.mesh_dim_names \('dp_shard',\)"):
+        fully_shard(model, mesh=flat, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    equal = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    assert equal == flat and equal is not flat
+    with pytest.raises(ValueError, match=r"Expected param's DTensor mesh to be the same mesh passed to fully_shard, "
+                                         r"but got different mesh objects \(parameter 'weight'"):
+        fully_shard(model, mesh=equal, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward as int is not yet supported with SPMD mesh "
+                                                  r"\(dp_mesh_dims\)"):
+        fully_shard(model, mesh=flat, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"),
+                    reshard_after_forward=world_size)
+    assert type(model).__name__ == "Linear"
 
 
 def test_what_dp_mesh_dims_does_not_take_is_refused_by_name():
-    """A plain parameter (torch's ValueError), several dims flattened into the shard dim, and a parameter sharded on a
-    data-parallel dim already (torch's ValueError): refused naming what and where, the module left as it was."""
+    """A plain parameter (torch's ValueError), several dims flattened into the shard dim, a parameter sharded on a
+    data-parallel dim already, a dim the mesh lacks, a parameter on another mesh object, an int reshard_after_forward
+    (torch's types and phrases): refused naming what and where, the module left as it was."""
     from flatshard.testing import run_distributed
 
     run_distributed(_refusals, 2, timeout=120)

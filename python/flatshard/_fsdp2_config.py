@@ -229,6 +229,10 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     spmd = None
     if dp_mesh_dims is not None:  # (the data-parallel dims' submesh from here on)
         mesh, spmd = _spmd_submesh(module, mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):  # (torch's)
+            raise NotImplementedError(f"reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims): "
+                                      f"fully_shard({type(module).__name__}, reshard_after_forward="
+                                      f"{reshard_after_forward}); pass True or False")
     mesh = mesh if mesh is not None else default_mesh()
     _check_supported(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     if (isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory and
@@ -322,6 +326,16 @@ def _spmd_submesh(module: nn.Module, mesh: Any, dp_mesh_dims: Any) -> tuple[Any,
     shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
     dims = tuple(mesh.mesh_dim_names or ())
     wanted = (*replicate, *shard)
+    # (torch's ValueErrors and phrases, in its order)
+    if dp_mesh_dims.shard is None and dp_mesh_dims.replicate is None:
+        raise ValueError(f"At least one of shard or replicate must be set in dp_mesh_dims (fully_shard({name}))")
+    if mesh.mesh_dim_names is None:
+        raise ValueError(f"mesh must have mesh_dim_names when dp_mesh_dims is provided (fully_shard({name}) was given "
+                         f"{mesh}); name its dims in init_device_mesh(..., mesh_dim_names=...)")
+    for dim in wanted:
+        if dim not in dims:
+            raise ValueError(f"Mesh dim name '{dim}' not found in mesh.mesh_dim_names {dims} (fully_shard({name}), "
+                             f"dp_mesh_dims={dp_mesh_dims})")
     if len(shard) != 1 or len(replicate) > 1 or [d for d in dims if d in wanted] != list(wanted):
         raise NotImplementedError(
             f"fully_shard({name}): dp_mesh_dims (shard={dp_mesh_dims.shard!r}, replicate={dp_mesh_dims.replicate!r}) "
@@ -478,7 +492,7 @@ def _describe_on_spmd_mesh(name: str, p: Any, config: UnitConfig, reshard_after_
     full, dp_indices = config.spmd
     spec = p._spec
     given = tuple(spec.placements)
-    if spec.mesh != full:  # (torch's ValueError and phrase)
+    if spec.mesh is not full:  # (torch's ValueError and phrase: the same object, not an equal one)
         raise ValueError(f"Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
                          f"different mesh objects (parameter '{name}' is a DTensor over {spec.mesh}; fully_shard was "
                          f"given {full} with dp_mesh_dims)")
