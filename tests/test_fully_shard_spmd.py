@@ -5,6 +5,8 @@ running the same script; and its refusals. See [Note: torch's SPMD path] in pyth
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -26,11 +28,24 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), _Block(5), _Block(5), nn.Linear(5, 3))
 
 
+_MESHES: dict = {}
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """One mesh per shape and names in a process, for torch's run and flatshard's: DTensor keeps the first of equal
+    meshes (a parameter distributed over a second one is on the first), and fully_shard with dp_mesh_dims wants the
+    parameters on the very mesh it is given, torch's and flatshard's alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (shape, names) not in _MESHES:
+        _MESHES[shape, names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[shape, names]
+
+
 def _trained(rank: int, world_size: int, impl: str, hsdp: bool) -> dict:
     """The model distributed on the mesh (every parameter replicated), fully_shard with dp_mesh_dims on each block and
     the root, three AdamW steps on inputs sharded over the mesh's data dim: losses, each parameter's placements and
     local tensor, its gradient's local tensor before the last step."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
@@ -40,11 +55,11 @@ def _trained(rank: int, world_size: int, impl: str, hsdp: bool) -> dict:
         from torch.distributed.fsdp import fully_shard
     if hsdp:
         replicas = 2 if world_size == 4 else 1
-        mesh = init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("dp_replicate", "dp_shard"))
+        mesh = _mesh((replicas, world_size // replicas), ("dp_replicate", "dp_shard"))
         dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
         batch = (Shard(0), Shard(0)) if replicas > 1 else (Replicate(), Shard(0))
     else:
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+        mesh = _mesh((world_size,), ("dp_shard",))
         dims = DataParallelMeshDims(shard="dp_shard")
         batch = (Shard(0),)
     model = _model()
@@ -106,15 +121,20 @@ def _trained_with_tp(rank: int, world_size: int, impl: str) -> dict:
     """A (dp_shard, tp) mesh: each block's up projection column-wise and down projection row-wise over tp, the norms
     and the head replicated, everything replicated over dp_shard (torchtitan's full_dtensor with TP); fully_shard with
     dp_mesh_dims on each block and the root, three AdamW steps on inputs sharded over dp_shard."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor import (
+        DTensor,
+        Replicate,
+        Shard,
+        distribute_module,
+        distribute_tensor,
+    )
 
     if impl == "flatshard":
         from flatshard import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_shard", "tp"))
+    mesh = _mesh((2, world_size // 2), ("dp_shard", "tp"))
     torch.manual_seed(0)
     model = nn.Sequential(_MLP(6), _MLP(6), nn.Linear(6, 3))
 
@@ -168,11 +188,10 @@ def test_dp_mesh_dims_with_a_tp_dim_trains_as_torch_fsdp2():
 
 
 def _refusals(rank: int, world_size: int) -> None:
+    from flatshard import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
-
-    from flatshard import fully_shard
 
     flat = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     with pytest.raises(ValueError, match=r"all parameters must be DTensors on the full SPMD mesh .* Got plain tensor "
