@@ -39,7 +39,8 @@ The same file is the pytest plugin (``-p torch_fsdp2_tests``) that writes every 
 ``flatshard.install_as_torch_fsdp()`` (the opt-in frameworks use), so that the class, its static methods
 and torch's state-dict helpers are flatshard's in every test process. Those files gate each test on
 GPUs (``@skip_if_lt_x_gpu(n)``, a ``world_size`` of ``min(device_count(), 2)``): with
-``--cpu-multiprocess`` the gates pass (``_lift_fsdp1_gpu_gates``) and the ranks are gloo processes.
+``--cpu-multiprocess`` the gates pass (``_lift_gpu_gates``) and the ranks are gloo processes. Most FSDP2 files gate
+their tests the same way; ``--lift-gpu-gates`` (with ``--cpu-multiprocess``) lifts them there too.
 
 CPU-only machines
 -----------------
@@ -65,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _ENV_IMPL = "FSDP2_TESTS_IMPL"  # "torch" or "flatshard", set by the runner for the test processes
@@ -73,7 +75,8 @@ _ENV_PROBE = "FSDP2_TESTS_PROBE"  # file the flatshard recorder appends "<pid> <
 _ENV_CPU_MP = "FSDP2_TESTS_CPU_MULTIPROCESS"  # "1": lift the accelerator-count check (see above)
 _ENV_FAST_SKIP = "FSDP2_TESTS_FAST_SKIP"  # "0": spawn FSDPTest ranks even where they would only skip
 _ENV_API = "FSDP2_TESTS_API"  # "fsdp2" (fully_shard, the default) or "fsdp1" (the FullyShardedDataParallel class)
-_ENV_TESTS_DIR = "FSDP2_TESTS_DIR"  # the test files' directory (fsdp1 on CPUs: see _lift_fsdp1_gpu_gates)
+_ENV_TESTS_DIR = "FSDP2_TESTS_DIR"  # the test files' directory (fsdp1 on CPUs: see _lift_gpu_gates)
+_ENV_LIFT = "FSDP2_TESTS_LIFT_GPU_GATES"  # "1": the FSDP2 files' GPU gates lifted too (--lift-gpu-gates)
 
 _DEFAULT_TIMEOUT_S = 300  # per test
 _DEFAULT_FILE_TIMEOUT_S = 1200  # per file
@@ -90,8 +93,8 @@ def _bootstrap() -> None:
     if impl == "flatshard":
         _install_flatshard_class() if fsdp1 else _install_flatshard()
     if os.environ.get(_ENV_CPU_MP) == "1":
-        if fsdp1:  # (first: _lift_accelerator_check's wrapper must see its callers as frame 1)
-            _lift_fsdp1_gpu_gates()
+        if fsdp1 or os.environ.get(_ENV_LIFT) == "1":  # (first: _lift_accelerator_check's wrapper must see its
+            _lift_gpu_gates(fsdp1)  # callers as frame 1)
         _lift_accelerator_check()
 
 
@@ -107,46 +110,71 @@ def _install_flatshard_class() -> None:
             f.write(f"{os.getpid()} flatshard.install_as_torch_fsdp\n")
 
 
-def _lift_fsdp1_gpu_gates() -> None:
-    """torch's FSDP1 test files gate every test on GPUs: ``@skip_if_lt_x_gpu(n)`` (no ``allow_cpu``), and classes
-    whose ``world_size`` is ``min(torch.accelerator.device_count(), 2)``. On a CPU machine with --cpu-multiprocess:
-    the decorator passes the test through, ``device_count()`` answers 2 to code in the test files (nowhere else),
-    and ``common_fsdp.FSDP_DEVICES`` (newer than torch 2.13; test_fsdp_apply.py imports it) is ``("cpu",)``."""
+def _lift_gpu_gates(fsdp1: bool) -> None:
+    """torch's FSDP1 test files, and most FSDP2 ones, gate every test on GPUs: ``@skip_if_lt_x_gpu(n)`` (no
+    ``allow_cpu``), and classes whose ``world_size`` is ``min(<a device count>, 2)``. On a CPU machine with
+    --cpu-multiprocess (and, for the FSDP2 files, --lift-gpu-gates): the decorator (and ``requires_nccl_version``)
+    passes the test through, the device counts answer 2 to code in the test files (nowhere else; FSDP1's files ask
+    ``torch.accelerator``, FSDP2's ``torch.cuda`` and ``torch.cpu``), ``common_fsdp.FSDP_DEVICES`` (newer than torch
+    2.13; test_fsdp_apply.py imports it) is ``("cpu",)``, and DDP, which the FSDP2 files' reference models use with
+    ``device_ids=[rank]``, takes a CPU module without them. Files that move their models with ``.cuda()`` still need
+    a CPU copy (RESULTS.md says which were run so)."""
     import torch
     from torch.testing._internal import common_distributed, common_fsdp
 
     def skip_if_lt_x_gpu(n, *args, **kwargs):
         return lambda fn: fn
 
+    def requires_nccl_version(*args, **kwargs):
+        return lambda fn: fn
+
     common_distributed.skip_if_lt_x_gpu = skip_if_lt_x_gpu
+    common_distributed.requires_nccl_version = requires_nccl_version
     if not hasattr(common_fsdp, "FSDP_DEVICES"):
         common_fsdp.FSDP_DEVICES = ("cpu",)
     tests_dir = os.environ.get(_ENV_TESTS_DIR, "")
-    real_device_count = torch.accelerator.device_count
 
-    def device_count(*args, **kwargs):
-        frame = sys._getframe(1)
-        for _ in range(3):  # (the caller, through _lift_accelerator_check's wrapper around this one)
-            if frame is None:
-                break
-            if tests_dir and frame.f_code.co_filename.startswith(tests_dir):
-                return 2
-            frame = frame.f_back
-        return real_device_count(*args, **kwargs)
+    def from_the_tests(real: Callable) -> Callable:
+        def device_count(*args, **kwargs):
+            frame = sys._getframe(1)
+            for _ in range(3):  # (the caller, through _lift_accelerator_check's wrapper around this one)
+                if frame is None:
+                    break
+                if tests_dir and frame.f_code.co_filename.startswith(tests_dir):
+                    return 2
+                frame = frame.f_back
+            return real(*args, **kwargs)
 
-    torch.accelerator.device_count = device_count
+        return device_count
+
+    if fsdp1:
+        torch.accelerator.device_count = from_the_tests(torch.accelerator.device_count)
+        return
+    torch.cuda.device_count = from_the_tests(torch.cuda.device_count)
+    torch.cpu.device_count = from_the_tests(torch.cpu.device_count)
+    from torch.nn.parallel import DistributedDataParallel
+
+    real_init = DistributedDataParallel.__init__
+
+    def init(self, module, *args, **kwargs):
+        if {p.device.type for p in module.parameters()} == {"cpu"}:
+            args = (None, None, *args[2:]) if args else args  # (device_ids, output_device: its first two)
+            kwargs.pop("device_ids", None)
+            kwargs.pop("output_device", None)
+        real_init(self, module, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = init
 
 
 def _install_flatshard() -> None:
     """Rebinds ``fully_shard`` to flatshard's wherever torch exports it."""
     import functools
 
+    import flatshard  # imported after torch's modules: flatshard subclasses torch's FSDPModule
     import torch.distributed._composable.fsdp as composable_fsdp
     import torch.distributed.fsdp as fsdp
     import torch.distributed.fsdp._fully_shard as fully_shard_pkg
     import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_mod
-
-    import flatshard  # imported after torch's modules: flatshard subclasses torch's FSDPModule
 
     impl_fn = flatshard.fully_shard
     probe_path = os.environ.get(_ENV_PROBE)
@@ -347,6 +375,7 @@ def run_file(test_file: Path, impl: str, args: argparse.Namespace, workdir: Path
     env[_ENV_RESULTS] = str(results_path)
     env[_ENV_PROBE] = str(probe_path)
     env[_ENV_CPU_MP] = "1" if args.cpu_multiprocess else "0"
+    env[_ENV_LIFT] = "1" if args.lift_gpu_gates else "0"
     env[_ENV_FAST_SKIP] = "0" if args.no_fast_skip else "1"
     env[_ENV_API] = args.api
     env[_ENV_TESTS_DIR] = str(test_file.parent)
@@ -448,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-multiprocess", action="store_true",
                         help="run FSDPTest/FSDPTestContinuous ranks as gloo processes on a machine without "
                              "accelerators (lifts torch 2.13's device-count skip; see the module docstring)")
+    parser.add_argument("--lift-gpu-gates", action="store_true",
+                        help="with --cpu-multiprocess: run the FSDP2 files' GPU-gated tests on CPU ranks too (see "
+                             "_lift_gpu_gates; the FSDP1 files' gates are lifted by --cpu-multiprocess alone)")
     parser.add_argument("--no-fast-skip", action="store_true",
                         help="let FSDPTest spawn its rank processes even where torch 2.13 skips them on a "
                              "machine without accelerators (same outcome, about 30 s per test)")
@@ -480,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(files)
     if args.out:
         args.out.write_text(json.dumps({"impl": args.impl, "cpu_multiprocess": args.cpu_multiprocess,
+                                        "lift_gpu_gates": args.lift_gpu_gates,
                                         "k": args.k, "files": files}, indent=1))
         print(f"\nwrote {args.out}")
     return 0
