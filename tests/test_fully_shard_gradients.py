@@ -530,3 +530,54 @@ def test_unshard_called_by_hand_in_forward_or_backward_keeps_the_gradients_as_to
                 theirs, ours = got["torch", case], got["flatshard", case]
                 assert all(t is not None for t in theirs), (rank, case)
                 assert all(o is not None and torch.equal(o, t) for o, t in zip(ours, theirs)), (rank, case, ours, theirs)
+
+
+class _Twice(nn.Module):
+    """A layer called twice in one forward (a weight shared across steps of a recurrence)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cell(torch.tanh(self.cell(x)))
+
+
+def _one_set_of_unsharded_parameters(rank: int, world_size: int) -> dict:
+    """Units kept gathered after forward (reshard_after_forward=False), called more than once before they reshard: a
+    list of two modules as one unit and a module called twice. As pipelining's split backward does, the loss is
+    differentiated with respect to ``model.parameters()`` after the forward (the unsharded parameters every call used,
+    torch's), then backpropagated: both gradients of each parameter, torch's and flatshard's."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from flatshard import fully_shard
+
+    out = {}
+    for impl, shard in (("torch", torch_fully_shard), ("flatshard", fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _Twice(), nn.Linear(4, 1))
+        shard([model[0], model[1]], reshard_after_forward=False)
+        shard(model[2], reshard_after_forward=False)
+        shard(model)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+        loss = model(x).sum()
+        names = [n for n, _ in model.named_parameters()]
+        by_hand = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        loss.backward()
+        out[impl] = {"by_hand": dict(zip(names, (g.clone() for g in by_hand))),
+                     "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+def test_a_unit_called_again_before_it_reshards_uses_the_same_parameters_as_torch():
+    """See [Note: One set of unsharded parameters per gathering] in _runtime.py. Before it, the later call's new views
+    left the earlier call's parameters out of the graph: "The differentiated Tensor at index 0 appears to not have
+    been used in the graph". rtol 1e-6 for the reduced gradients (the two calls' sum in another order)."""
+    from flatshard.testing import run_distributed
+
+    for rank, out in enumerate(run_distributed(_one_set_of_unsharded_parameters, 2, timeout=120)):
+        for kind in ("by_hand", "grads"):
+            want, have = out["torch"][kind], out["flatshard"][kind]
+            assert list(have) == list(want), (rank, kind, list(have), list(want))
+            for name in want:
+                torch.testing.assert_close(have[name], want[name], rtol=1e-6, atol=1e-8, msg=f"rank {rank}: {kind} {name}")

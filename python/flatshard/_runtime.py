@@ -286,6 +286,7 @@ def set_views(state: UnitState, views, placeholders: bool = False, parameters: b
     until a forward or backward puts its own views there."""
     state.placeholders_set = placeholders
     state.explicit_unshard = parameters
+    state.forward_use = None
     if state.config.registers_unsharded:  # see [Note: fully_shard's parameters are registered, not shadowed]
         if placeholders:
             views = state.orig_params
@@ -490,11 +491,14 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     explicit = s.forward_prefetch_to
     ahead, group = (_prefetch.forward(root, s, position) if s.config.forward_prefetch and explicit is None
                     else (None, None))
-    views = root.scheduler.wait_for_unshard(handle, ahead, views=True)
+    held = _held_forward_use(s) if grad_enabled else None
+    views = root.scheduler.wait_for_unshard(handle, ahead, views=held is None)
     if group:
         _prefetch.unshard_group(root, group)
     if explicit:
         _prefetch.explicit(root, explicit)
+    if held is not None:
+        return held
     flat = s.flat_param
     if not (grad_enabled and flat.requires_grad):
         set_views(s, views)
@@ -503,6 +507,27 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     if root.first_use is None:
         root.first_use = weakref.ref(use)
     set_views(s, _apply_views(s, use, views))
+    if s.config.registers_unsharded:
+        s.forward_use = weakref.ref(use)
+    return use
+
+
+# [Note: One set of unsharded parameters per gathering]
+# torch's FSDP2 makes a unit's unsharded parameters once per all-gather: a unit called again before it reshards (a list
+# of modules' next member with reshard_after_forward=False, a module called twice in one forward) runs on the same
+# nn.Parameters, so that `model.parameters()` after the forward are those every call used (pipelining's
+# stage_backward_weight differentiates the loss with respect to them), and their gradients from every call add up
+# before its one post-backward. fully_shard's does the same: a grad-enabled forward while the modules still hold
+# an earlier forward's views of this gathering (``forward_use``: cleared whenever other views are put there, which a
+# reshard does) takes that use and its views, and the use's post-backward runs once both calls' gradients are in.
+# The class makes new views each forward, as torch's FSDP1 does.
+def _held_forward_use(s: UnitState) -> Use | None:
+    if s.forward_use is None:
+        return None
+    use = s.forward_use()
+    if use is None or use.done or use.node is None or use.node() is None:
+        s.forward_use = None
+        return None
     return use
 
 

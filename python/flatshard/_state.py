@@ -127,6 +127,9 @@ class UnitState:
         "uses",  # live uses of the parameters by autograd (see _runtime.Use)
         "placeholders_set",  # whether the modules hold the storage-less placeholders
         "explicit_unshard",  # whether they hold unshard()'s nn.Parameters: a forward or backward hands out its views
+        "forward_use",  # fully_shard: a weak reference to the use whose views the modules hold from a forward, else None
+        # (a later forward of the unit before it reshards takes the same views: see [Note: One set of unsharded
+        # parameters per gathering] in _runtime.py)
         "gather_bytes",  # the unsharded parameters' bytes (what gathering the unit allocates)
         "sync_gradients",  # False inside no_sync()
         "grads_handed_out",  # fully_shard: this backward's gradients already are the parameters' .grad, handed out in its
@@ -201,6 +204,7 @@ class UnitState:
         self.uses: weakref.WeakSet[Any] = weakref.WeakSet()
         self.placeholders_set = True
         self.explicit_unshard = False
+        self.forward_use: weakref.ref | None = None
         self.sync_gradients = True
         self.grads_handed_out = False
         self.gradient_gaps: list[int] = []
