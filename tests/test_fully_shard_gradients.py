@@ -580,4 +580,73 @@ def test_a_unit_called_again_before_it_reshards_uses_the_same_parameters_as_torc
             want, have = out["torch"][kind], out["flatshard"][kind]
             assert list(have) == list(want), (rank, kind, list(have), list(want))
             for name in want:
-                torch.testing.assert_close(have[name], want[name], rtol=1e-6, atol=1e-8, msg=f"rank {rank}: {kind} {name}")
+                torch.testing.assert_close(have[name], want[name], rtol=1e-6, atol=1e-8,
+                                           msg=f"rank {rank}: {kind} {name}")
+
+
+class _RerunTwice(nn.Module):
+    """A block run twice, each run under reentrant checkpointing: its reruns' backwards are backwards of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        y = self.first(x)
+        return checkpoint(self.block, checkpoint(self.block, y, use_reentrant=True), use_reentrant=True)
+
+
+def _post_accumulate_grad_hooks_that_only_read(rank: int, world_size: int) -> dict:
+    """Hooks that only read (gradient logging), registered on rank 0 alone, on small units whose reductions go together
+    (gloo, two ranks), and on a unit rerun twice by reentrant checkpointing (two reductions in one backward): each
+    parameter's gradient with the hooks and without, and what the hooks saw."""
+    import os
+
+    from flatshard import fully_shard
+
+    out = {}
+    for together, hooked in [(t, h) for t in ("262144", "0") for h in (False, True)]:
+        os.environ["FLATSHARD_GATHER_TOGETHER_BYTES"] = together  # (read by fully_shard: reduced together, or apart)
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        twice = _RerunTwice()
+        fully_shard(twice.block)
+        fully_shard(twice)
+        seen = []
+        if hooked and rank == 0:
+            for name, p in [*model.named_parameters(), *(("twice." + n, p) for n, p in twice.named_parameters())]:
+                p.register_post_accumulate_grad_hook(lambda p, name=name: seen.append(name))
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+        model(x).sum().backward()
+        twice(x).sum().backward()
+        out[together, hooked] = ({n: p.grad.to_local().clone() for n, p in [*model.named_parameters(),
+                                                                              *twice.named_parameters()]}, seen)
+    os.environ.pop("FLATSHARD_GATHER_TOGETHER_BYTES")
+    return out
+
+
+def test_post_accumulate_grad_hooks_change_no_gradient_and_no_collective():
+    """See [Note: Post-accumulate-grad hooks] in _dtensor_params.py. A hook on one rank only must not group that rank's
+    reductions otherwise than its peer's (before: rank 0 issued its units' reduce-scatters apart while rank 1 waited to
+    send them together), and a unit reduced twice in one backward sums both (before: the second replaced the first
+    where a hook was registered). Bit-equal with and without the hooks."""
+    from flatshard.testing import run_distributed
+
+    for rank, out in enumerate(run_distributed(_post_accumulate_grad_hooks_that_only_read, 2, timeout=120,
+                                               pg_timeout=30)):
+        for together in ("262144", "0"):
+            plain, (with_hooks, seen) = out[together, False][0], out[together, True]
+            for name, want in plain.items():
+                assert torch.equal(with_hooks[name], want), f"rank {rank}, {together}: {name}: {with_hooks[name]} vs " \
+                                                            f"{want}"
+            if rank == 0:  # (twice.block's: reduced apart, once per rerun's backward; together, once)
+                assert sorted(set(seen)) == sorted(["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias",
+                                                    "3.weight", "3.bias", "twice.first.weight", "twice.first.bias",
+                                                    "twice.block.weight", "twice.block.bias"]), (together, seen)
+                assert seen.count("twice.block.weight") == (2 if together == "0" else 1), (together, seen)

@@ -265,6 +265,9 @@ PYBIND11_MODULE(_C, m) {
       .def("accumulate_reduced_grad", &Scheduler::accumulate_reduced_grad, py::arg("handle"), py::arg("grad_shard"),
            py::call_guard<py::gil_scoped_release>())
       .def("finish_grad_sync", &Scheduler::finish_grad_sync, py::call_guard<py::gil_scoped_release>())
+      .def("complete_issued_reductions", &Scheduler::complete_issued_reductions,
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduction_deferred", &Scheduler::reduction_deferred, py::arg("handle"))
       .def("abort_grad_sync", &Scheduler::abort_grad_sync, py::call_guard<py::gil_scoped_release>())
       .def("set_sequence_check", &Scheduler::set_sequence_check, py::arg("on"))
       .def("drain", &Scheduler::drain, py::arg("timeout_seconds"), py::call_guard<py::gil_scoped_release>())

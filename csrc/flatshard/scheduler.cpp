@@ -587,6 +587,14 @@ at::Tensor Scheduler::gather_full_precision(FlatParamHandle& unit) {
 
 void Scheduler::finish_grad_sync() {
   reduce_deferred();
+  complete_issued_reductions();
+}
+
+bool Scheduler::reduction_deferred(const FlatParamHandle& unit) const {
+  return std::any_of(deferred_.begin(), deferred_.end(), [&](const DeferredReduction& d) { return d.unit == &unit; });
+}
+
+void Scheduler::complete_issued_reductions() {
   if (reductions_.empty() && replica_reductions_.empty() && offloaded_.empty()) return;
   RECORD_USER_SCOPE("flatshard::finish_grad_sync");
   while (!reductions_.empty()) complete_shard_reduction();

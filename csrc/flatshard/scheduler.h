@@ -177,6 +177,12 @@ class Scheduler {
   // Waits for every pending reduction and writes the gradient shards (to the
   // host for offloaded units, waiting for those copies). Blocks.
   void finish_grad_sync();
+  // finish_grad_sync for the reductions already issued, in a post-backward (fully_shard's post-accumulate-grad
+  // hooks): small units' reductions waiting to go together stay waiting, so that no rank's exchanges are grouped
+  // otherwise than its peers' because of what runs on it alone. Blocks.
+  void complete_issued_reductions();
+  // Whether `unit`'s reduction waits to go together with the next units' (not issued yet).
+  bool reduction_deferred(const FlatParamHandle& unit) const;
   // After a backward that raised: waits for every pending reduction (the
   // collectives were issued and must complete) and discards its result.
   // Blocks. `.grad` keeps what earlier completed reductions wrote.

@@ -119,12 +119,14 @@ def build_flat_param(unit: FullyShardedDataParallel, module: nn.Module, more_mod
     _register(unit, s, params, layout)
 
 
-def _fsdp2_param_order(members: list[list[tuple[str, nn.Module]]], slots: list[tuple[nn.Module, str, int]]) -> list[int]:
+def _fsdp2_param_order(members: list[list[tuple[str, nn.Module]]],
+                       slots: list[tuple[nn.Module, str, int]]) -> list[int]:
     """The order of torch's FSDP2 parameter group for these parameters (indices into the flat order, which puts the
     trainable first): each member module's subtree in post-order (children first), each module's own parameters as
     registered, a shared one at its first place. What users see of it: the order of the post-accumulate-grad hooks."""
     index_of = {(id(m), attr): index for m, attr, index in slots}
     order: list[int] = []
+    placed: set[int] = set()
     for mods in members:  # (pre-order, with names: post-order by a stack of the modules not yet left)
         post: list[nn.Module] = []
         stack: list[tuple[str, nn.Module]] = []
@@ -136,7 +138,8 @@ def _fsdp2_param_order(members: list[list[tuple[str, nn.Module]]], slots: list[t
         for m in post:
             for attr in m._parameters:
                 index = index_of.get((id(m), attr))
-                if index is not None and index not in order:
+                if index is not None and index not in placed:
+                    placed.add(index)
                     order.append(index)
     return order
 

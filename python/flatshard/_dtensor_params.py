@@ -263,3 +263,44 @@ def _copy_into(name: str, local: torch.Tensor, view: torch.Tensor) -> None:
             f"flatshard's fully_shard does not support moving or casting it yet: move or cast the module before "
             f"fully_shard (to_empty on the same device is fine), and load DTensor state dicts.")
     view.copy_(local)
+
+
+# [Note: Post-accumulate-grad hooks]
+# ``p.register_post_accumulate_grad_hook(hook)`` on a fully_shard parameter: torch's FSDP2 calls ``hook(p)`` once its
+# reduced gradient is ``p.grad``, in the unit's post-backward, unit after unit as the backward goes on; the
+# "optimizer in backward" pattern (torchtune's ``optimizer_in_bwd``) steps and zeroes each parameter there, so that
+# one unit's gradients live at a time. autograd never calls them itself: the sharded parameters take no part in the
+# graph (their unsharded views do). So a unit's post-backward that reduces, where one of its parameters has such a
+# hook, completes the reductions issued so far (its own included: the hook reads the gradient; the overlap of this
+# unit's reduction with the next unit's backward is what it costs) and hands out its gradients then
+# (``_orig_params.hand_out_grads``), not at the end of the backward. It issues nothing: a small unit's reduction that
+# waits to go together with the next units' (see [Note: Small units reduced together] in csrc/flatshard/scheduler.h)
+# stays waiting, its hooks called at the end of the backward, so that a hook on one rank only (logging) never groups
+# that rank's exchanges otherwise than its peers'. A unit reduced again in the same backward (reentrant checkpointing's
+# inner backwards) adds into what the hooks left (``write_back_grads`` first) and calls them again. A unit reduced
+# only at the end of the backward (a use whose post-backward never ran) calls them there, after every unit's
+# gradients are given. As torch's: called for each parameter that got a gradient since the last reduced backward (a
+# no_sync micro-batch's included; every one with set_reduce_scatter_unused_params), in the order of torch's parameter
+# group; not in a backward without gradient sync, nor where set_requires_all_reduce(False) leaves the gradient
+# unreduced over the replicas (no ``.grad`` is given there). The class does not call them (torch's FSDP1 neither).
+
+
+def has_post_accumulate_grad_hooks(s: UnitState) -> bool:
+    return any(p._post_accumulate_grad_hooks for p in s.orig_params)
+
+
+def hooked_params(s: UnitState, got: list[bool]) -> list[torch.Tensor]:
+    """The parameters of ``s`` whose post-accumulate-grad hooks run for the gradients just handed out: those that got
+    one since the last reduced backward (``got``), in torch's order (its parameter group's)."""
+    hooked = []
+    for index in s.fsdp2_param_order:
+        p = s.orig_params[index]
+        if p._post_accumulate_grad_hooks and got[index] and p.grad is not None:
+            hooked.append(p)
+    return hooked
+
+
+def run_post_accumulate_grad_hooks(params: list[torch.Tensor]) -> None:
+    for p in params:
+        for hook in tuple(p._post_accumulate_grad_hooks.values()):
+            hook(p)

@@ -230,8 +230,8 @@ def resolve(module: nn.Module, mesh: Any, reshard_after_forward: bool | int | No
     if dp_mesh_dims is not None:  # (the data-parallel dims' submesh from here on)
         mesh, spmd = _spmd_submesh(module, mesh, dp_mesh_dims)
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):  # (torch's)
-            raise NotImplementedError(f"reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims): "
-                                      f"fully_shard({type(module).__name__}, reshard_after_forward="
+            raise NotImplementedError(f"reshard_after_forward as int is not yet supported with SPMD mesh "
+                                      f"(dp_mesh_dims): fully_shard({type(module).__name__}, reshard_after_forward="
                                       f"{reshard_after_forward}); pass True or False")
     mesh = mesh if mesh is not None else default_mesh()
     _check_supported(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
@@ -332,7 +332,7 @@ def _spmd_submesh(module: nn.Module, mesh: Any, dp_mesh_dims: Any) -> tuple[Any,
     if mesh.mesh_dim_names is None:
         raise ValueError(f"mesh must have mesh_dim_names when dp_mesh_dims is provided (fully_shard({name}) was given "
                          f"{mesh}); name its dims in init_device_mesh(..., mesh_dim_names=...)")
-    for dim in wanted:
+    for dim in (*shard, *replicate):  # (torch's order)
         if dim not in dims:
             raise ValueError(f"Mesh dim name '{dim}' not found in mesh.mesh_dim_names {dims} (fully_shard({name}), "
                              f"dp_mesh_dims={dp_mesh_dims})")

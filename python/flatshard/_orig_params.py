@@ -156,38 +156,13 @@ def use_grad_views(s: UnitState, ends_accumulation: bool = False) -> None:
         s.orig_grads_given = (ref(flat_grad), given)
 
 
-# [Note: Post-accumulate-grad hooks]
-# ``p.register_post_accumulate_grad_hook(hook)`` on a fully_shard parameter: torch's FSDP2 calls ``hook(p)`` once its
-# reduced gradient is ``p.grad``, in the unit's post-backward, unit after unit as the backward goes on; the
-# "optimizer in backward" pattern (torchtune's ``optimizer_in_bwd``) steps and zeroes each parameter there, so that
-# one unit's gradients live at a time. autograd never calls them itself: the sharded parameters take no part in the
-# graph (their unsharded views do). So a unit's post-backward that reduces, where one of its parameters has such a
-# hook, completes the reductions in flight (its own included: the hook reads the gradient; the overlap of this
-# unit's reduction with the next unit's backward is what it costs) and hands out the gradients then
-# (``hand_out_grads``), not at the end of the backward; a unit reduced only at the end of the backward (a use whose
-# post-backward never ran) calls them there. As torch's: called for each parameter that got a gradient since the last
-# reduced backward (a no_sync micro-batch's included; every one with set_reduce_scatter_unused_params), in the unit's
-# order; not in a backward without gradient sync, nor where set_requires_all_reduce(False) leaves the gradient
-# unreduced over the replicas (no ``.grad`` is given there). The class does not call them (torch's FSDP1 neither).
-
-
-def has_post_accumulate_grad_hooks(s: UnitState) -> bool:
-    return any(p._post_accumulate_grad_hooks for p in s.orig_params)
-
-
-def hand_out_grads(s: UnitState) -> None:
-    """The end of a reduced backward for ``s``'s parameters: their ``.grad`` s (``use_grad_views``), then fully_shard's
-    post-accumulate-grad hooks (see [Note: Post-accumulate-grad hooks])."""
+def hand_out_grads(s: UnitState) -> list[torch.Tensor]:
+    """The end of a reduced backward for ``s``'s parameters: their ``.grad`` s (``use_grad_views``); returns
+    fully_shard's parameters whose post-accumulate-grad hooks are to run now (see [Note: Post-accumulate-grad hooks] in
+    _dtensor_params.py)."""
     got = s.orig_grad_seen  # (use_grad_views starts a new list)
     use_grad_views(s, ends_accumulation=True)
-    if not s.config.dim0_layout:
-        return
-    for index in s.fsdp2_param_order:  # (torch's order: its parameter group's)
-        p = s.orig_params[index]
-        hooks = p._post_accumulate_grad_hooks
-        if hooks and got[index] and p.grad is not None:
-            for hook in tuple(hooks.values()):
-                hook(p)
+    return _dtensor_params.hooked_params(s, got) if s.config.dim0_layout else []
 
 
 def _data_ptr(grad: torch.Tensor | None, as_dtensor: bool) -> int:

@@ -402,6 +402,7 @@ def begin_forward(unit: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Fo
     s.switch("forward")
     if s.is_root:
         s.root.in_forward_call = True  # (see summon_full_params)
+        s.root.forward_serial += 1
     return args, kwargs, ForwardCall("forward", use, grad_enabled, (args, kwargs))
 
 
@@ -507,25 +508,32 @@ def _pre_forward(s: UnitState, grad_enabled: bool) -> Use | None:
     if root.first_use is None:
         root.first_use = weakref.ref(use)
     set_views(s, _apply_views(s, use, views))
-    if s.config.registers_unsharded:
-        s.forward_use = weakref.ref(use)
+    if s.config.registers_unsharded and root.in_forward_call:
+        s.forward_use = (weakref.ref(use), root.forward_serial)
     return use
 
 
 # [Note: One set of unsharded parameters per gathering]
-# torch's FSDP2 makes a unit's unsharded parameters once per all-gather: a unit called again before it reshards (a list
-# of modules' next member with reshard_after_forward=False, a module called twice in one forward) runs on the same
-# nn.Parameters, so that `model.parameters()` after the forward are those every call used (pipelining's
-# stage_backward_weight differentiates the loss with respect to them), and their gradients from every call add up
-# before its one post-backward. fully_shard's does the same: a grad-enabled forward while the modules still hold
-# an earlier forward's views of this gathering (``forward_use``: cleared whenever other views are put there, which a
-# reshard does) takes that use and its views, and the use's post-backward runs once both calls' gradients are in.
-# The class makes new views each forward, as torch's FSDP1 does.
+# torch's FSDP2 gives a unit one set of unsharded nn.Parameters (made at its first all-gather, refilled by later ones):
+# a unit called again before it reshards (a list of modules' next member with reshard_after_forward=False, a module
+# called twice in one forward) runs on the same parameters, so that `model.parameters()` after the forward are those
+# every call used (`torch.autograd.grad(loss, model.parameters())` covers every call), and their gradients from every
+# call add up before its one post-backward. fully_shard's views are made per gathering, so it does the same within one:
+# a grad-enabled forward within the same forward of the root, while the modules still hold an earlier call's views of
+# this gathering (``forward_use``: cleared whenever other views are put there, which a reshard does), takes that use
+# and its views (keeping its first call's place in the post-forward order), and the use's post-backward runs once
+# every call's gradients are in. Another forward of the root is another use (forwards whose output is dropped must not
+# keep one use, and the iteration, alive). Not torch's: the views are outputs of one autograd node per unit, not
+# leaves, so what takes a parameter for a leaf (torch.distributed.pipelining's split backward, stage_backward_weight,
+# which differentiates with respect to each parameter's GradientEdge(grad_fn, 0)) gets the node's first output for
+# each. The class makes new views each forward, as torch's FSDP1 does.
 def _held_forward_use(s: UnitState) -> Use | None:
     if s.forward_use is None:
         return None
-    use = s.forward_use()
-    if use is None or use.done or use.node is None or use.node() is None:
+    held, serial = s.forward_use
+    use = held()
+    if use is None or use.done or use.node is None or use.node() is None or serial != s.root.forward_serial or \
+            not s.root.in_forward_call:  # (within one forward of the root only: another forward is another use)
         s.forward_use = None
         return None
     return use
@@ -576,8 +584,8 @@ def _post_forward(s: UnitState, use: Use | None, grad_enabled: bool, inputs: Any
     index = len(order)
     if s.handle is not None:  # see [Note: The orders hold units that gather] in _prefetch.py
         order.append(s)
-    if use is not None:
-        use.order, use.index = order, index
+    if use is not None and use.index < 0:  # (a use taken again keeps its first call's place: see [Note: One set of
+        use.order, use.index = order, index  # unsharded parameters per gathering])
     # The hook keeps the order and the index, not the use: only the views' node may keep a use alive (a node
     # that cannot run is no pending use).
     _hook_outputs(output, functools.partial(pre_backward, s, order, index))
@@ -836,6 +844,8 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
     # (tensor-parallel partial gradients: all-reduced over TP before the reduction, see [Note: Partial gradients of
     # tensor-parallel parameters] in _tensor_parallel.py)
     partials = done and s.tp_params and _tensor_parallel.has_partials(s)
+    if reduce and s.grads_handed_out:  # reduced again in this backward: into what the hooks left (see [Note:
+        _orig_params.write_back_grads(s)  # Post-accumulate-grad hooks] in _dtensor_params.py)
     # One crossing: see [Note: One crossing per lifecycle step] in bindings.cpp.
     s.root.scheduler.post_backward(s.handle, list(grads), reduce and not hooked and not partials, done, reshard_unit,
                                    None if hooked else ahead)
@@ -850,23 +860,42 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
         _comm_hooks.reduce(s)
         if ahead is not None:
             s.root.scheduler.unshard(ahead)
-    if reduce and s.config.dim0_layout and _orig_params.has_post_accumulate_grad_hooks(s):
-        _hand_out_grads_now(s)
-
-
-def _hand_out_grads_now(s: UnitState) -> None:
-    """The unit's gradients reduced and handed out in its post-backward, for its parameters' post-accumulate-grad
-    hooks (see [Note: Post-accumulate-grad hooks] in _orig_params.py)."""
     root = s.root
+    if reduce and s.config.dim0_layout and s not in root.hooks_waiting and \
+            _dtensor_params.has_post_accumulate_grad_hooks(s):  # (waiting already: one hand-out covers both reductions)
+        root.hooks_waiting.append(s)
+    if root.hooks_waiting:
+        _run_post_accumulate_grad_hooks(root)
+
+
+def _run_post_accumulate_grad_hooks(root: RootState) -> None:
+    """The gradients of the units waiting for their post-accumulate-grad hooks, as far as their reductions have been
+    issued (a small unit's waits to go together with the next units'), completed, handed out and their hooks called
+    (see [Note: Post-accumulate-grad hooks] in _dtensor_params.py)."""
+    scheduler = root.scheduler
+    ready = 0  # (reductions are issued in post-backward order: the ready ones come first)
+    while ready < len(root.hooks_waiting) and not scheduler.reduction_deferred(root.hooks_waiting[ready].handle):
+        ready += 1
+    if not ready:
+        return
+    units, root.hooks_waiting = root.hooks_waiting[:ready], root.hooks_waiting[ready:]
     try:
-        root.scheduler.finish_grad_sync()
+        scheduler.complete_issued_reductions()
     except BaseException:  # (as at the end of backward: a fully_shard all-reduce hook's error)
         abort_backward(root)
         raise
-    if root.guard is not None:  # (before the gradient shard is let go of: see record_gradient_pattern)
+    hooked = []
+    for s in units:
+        hooked += _hand_out_grads(s)
+    _dtensor_params.run_post_accumulate_grad_hooks(hooked)
+
+
+def _hand_out_grads(s: UnitState) -> list[torch.Tensor]:
+    """A unit's gradients handed out before the end of the backward; the parameters whose hooks are to run."""
+    if s.root.guard is not None:  # (before the gradient shard is let go of: see record_gradient_pattern)
         s.gradient_gaps = _rank_guard.gradient_gaps(s)
     s.grads_handed_out = True
-    _orig_params.hand_out_grads(s)
+    return _orig_params.hand_out_grads(s)
 
 
 def frozen_post_backward(s: UnitState, _grads: Any) -> None:
@@ -900,6 +929,10 @@ def finish_backward(root: RootState) -> None:
     except BaseException:  # (a fully_shard all-reduce hook's error: the backward's gradients dropped, as any raised)
         abort_backward(root)
         raise
+    # (Units waiting for their hooks first, in post-backward order; every hook runs once every unit is done: one that
+    # raises leaves no unit half-way.)
+    waiting, root.hooks_waiting = root.hooks_waiting, []
+    hooked = [p for s in waiting for p in _hand_out_grads(s)]
     if root.guard is not None:  # see [Note: Gradients given on some ranks only] in _rank_guard.py
         _rank_guard.record_gradient_pattern(root)  # (before use_grad_views lets go of the flat gradients)
     for unit in root.units:
@@ -910,7 +943,8 @@ def finish_backward(root: RootState) -> None:
             if s.reshards_after_backward:
                 reshard(s)
             if s.config.use_orig_params and s.sync_gradients and not handed_out:  # (reduced, resharded or not)
-                _orig_params.hand_out_grads(s)
+                hooked += _orig_params.hand_out_grads(s)
+    _dtensor_params.run_post_accumulate_grad_hooks(hooked)
 
 
 def abort_backward(root: RootState) -> None:
@@ -923,6 +957,7 @@ def abort_backward(root: RootState) -> None:
     root.final_callback_queued = False
     root.in_iteration = False
     root.gathered_ahead.clear()
+    root.hooks_waiting = []
     root.scheduler.abort_grad_sync()
     for unit in root.units:
         s = unit._unit_state

@@ -127,13 +127,14 @@ class UnitState:
         "uses",  # live uses of the parameters by autograd (see _runtime.Use)
         "placeholders_set",  # whether the modules hold the storage-less placeholders
         "explicit_unshard",  # whether they hold unshard()'s nn.Parameters: a forward or backward hands out its views
-        "forward_use",  # fully_shard: a weak reference to the use whose views the modules hold from a forward, else None
-        # (a later forward of the unit before it reshards takes the same views: see [Note: One set of unsharded
+        "forward_use",  # fully_shard: (a weak reference to the use whose views the modules hold from a forward, the
+        # root's forward_serial then), else None (a later forward of the unit before it reshards takes the same views: see [Note: One set of unsharded
         # parameters per gathering] in _runtime.py)
         "gather_bytes",  # the unsharded parameters' bytes (what gathering the unit allocates)
         "sync_gradients",  # False inside no_sync()
-        "grads_handed_out",  # fully_shard: this backward's gradients already are the parameters' .grad, handed out in its
-        # post-backward for their post-accumulate-grad hooks (see [Note: Post-accumulate-grad hooks] in _orig_params.py)
+        "grads_handed_out",  # fully_shard: this backward's gradients already are the parameters' .grad, handed out
+        # before its end for their post-accumulate-grad hooks (see [Note: Post-accumulate-grad hooks] in
+        # _dtensor_params.py)
         "gradient_gaps",  # its trainable parameters that got no gradient then, for the rank guard (indices)
         "reshards_after_backward",  # fully_shard's set_reshard_after_backward: False keeps the parameters unsharded
         # after backward, until a forward that reshards (gradient accumulation without the all-gathers)
@@ -204,7 +205,7 @@ class UnitState:
         self.uses: weakref.WeakSet[Any] = weakref.WeakSet()
         self.placeholders_set = True
         self.explicit_unshard = False
-        self.forward_use: weakref.ref | None = None
+        self.forward_use: tuple[weakref.ref, int] | None = None
         self.sync_gradients = True
         self.grads_handed_out = False
         self.gradient_gaps: list[int] = []
@@ -283,6 +284,9 @@ class RootState:
         "gathered_ahead",  # units a prefetch gathered together with its own (see [Note: Small units gathered
         # together] in csrc/flatshard/scheduler.h), until their own pre-forward or pre-backward, or a reshard
         "gather_together_bytes",  # the root's config.gather_together_bytes
+        "forward_serial",  # counts the root's forwards: a unit's held views serve later calls within one (forward_use)
+        "hooks_waiting",  # fully_shard units whose post-accumulate-grad hooks wait for their reduction, deferred to go
+        # together with the next units', in post-backward order (see [Note: Post-accumulate-grad hooks])
         "post_forward_order",  # units in the order their forward ended (backward prefetch)
         "recompute_order",  # the same, for a rerun of the whole model (see [Note: Recomputation])
         "recomputing",  # the whole model is being rerun
@@ -315,6 +319,8 @@ class RootState:
         self.forward_prefetch_order: list[UnitState] = []
         self.prefetched_ahead: UnitState | None = None
         self.gathered_ahead: set[UnitState] = set()
+        self.hooks_waiting: list[UnitState] = []
+        self.forward_serial = 0
         self.gather_together_bytes = unit._unit_state.config.gather_together_bytes
         self.post_forward_order: list[UnitState] = []
         self.recompute_order: list[UnitState] = []
