@@ -282,7 +282,10 @@ def _copy_into(name: str, local: torch.Tensor, view: torch.Tensor) -> None:
 # gradients are given. As torch's: called for each parameter that got a gradient since the last reduced backward (a
 # no_sync micro-batch's included; every one with set_reduce_scatter_unused_params), in the order of torch's parameter
 # group; not in a backward without gradient sync, nor where set_requires_all_reduce(False) leaves the gradient
-# unreduced over the replicas (no ``.grad`` is given there). The class does not call them (torch's FSDP1 neither).
+# unreduced over the replicas (no ``.grad`` is given there). One order differs: a unit whose forward inputs need no
+# gradient (the first unit over a batch, a root over token ids) has its post-backward, hence its hooks, at the end of
+# torch's backward, where flatshard's runs once its parameters' gradients are in (earlier; the values are the same).
+# The class does not call them (torch's FSDP1 neither).
 
 
 def has_post_accumulate_grad_hooks(s: UnitState) -> bool:
