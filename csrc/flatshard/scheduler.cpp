@@ -586,6 +586,7 @@ at::Tensor Scheduler::gather_full_precision(FlatParamHandle& unit) {
 }
 
 void Scheduler::finish_grad_sync() {
+  RECORD_USER_SCOPE("flatshard::finish_grad_sync");
   reduce_deferred();
   complete_issued_reductions();
 }
@@ -596,7 +597,7 @@ bool Scheduler::reduction_deferred(const FlatParamHandle& unit) const {
 
 void Scheduler::complete_issued_reductions() {
   if (reductions_.empty() && replica_reductions_.empty() && offloaded_.empty()) return;
-  RECORD_USER_SCOPE("flatshard::finish_grad_sync");
+  RECORD_USER_SCOPE("flatshard::complete_issued_reductions");
   while (!reductions_.empty()) complete_shard_reduction();
   while (!replica_reductions_.empty()) complete_replica_reduction();
   if (offloaded_.empty()) return;
