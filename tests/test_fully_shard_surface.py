@@ -248,6 +248,13 @@ def _refusals(rank: int, world_size: int) -> None:
     twice = fresh()
     with pytest.raises(ValueError, match="the list of modules names one module twice"):
         fully_shard([twice.ln_f, twice.ln_f])
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    for shard in (torch_fully_shard, fully_shard):  # a list's unit run as a root: torch's type and phrase
+        pair = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        shard([pair[0], pair[1]])
+        with pytest.raises(RuntimeError, match=r"FSDP requires a single root module but got \(FSDPLinear"):
+            pair[0](torch.ones(2, 4))
     model = fresh()
     fully_shard(model)
     with pytest.raises(AssertionError, match="can only be applied to a module once. fully_shard has already been "

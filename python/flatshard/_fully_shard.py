@@ -76,6 +76,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     taken = _fsdp2_config.take_tp_locals(modules, config, reshard_after_forward, shard_placement_fn)
     state = UnitState("", modules[0], config, config.device_id)
     state.tp_params = taken
+    if len(modules) > 1:
+        state.members = tuple(modules)
     for m in modules:
         m.__dict__["_unit_state"] = state
     _construction.build_flat_param(modules[0], modules[0], more_modules=modules[1:])

@@ -132,8 +132,12 @@ def lazy_init(root: FullyShardedDataParallel) -> None:
     A unit that another root initialized as one of its own (a model wrapped again, e.g. for
     inference after training, as torch's FSDP1 allows) is taken over, between iterations; a unit
     that ran as a root itself cannot be nested afterwards (as torch's)."""
-    units = _units_under(root)
     top = root._unit_state
+    if len(top.members) > 1:  # (torch's FSDP2 phrase and type)
+        raise RuntimeError(
+            f"FSDP requires a single root module but got {top.members}: one fully_shard of a list of modules "
+            f"ran as a root; call fully_shard on a module that contains them too (the model), after the list's.")
+    units = _units_under(root)
     scheduler = _C.Scheduler(top.config.process_group, top.config.replicate_group, top.device,
                              all_gather_limit(top.config.limit_all_gathers))
     root_state = RootState(root, scheduler, [u for _, u in units])

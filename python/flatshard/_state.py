@@ -96,6 +96,7 @@ class UnitState:
         "name",  # the unit's path under its root ("" for the root); final at lazy init
         "wrapped_module",  # what the unit calls: its _fsdp_wrapped_module (torch's ``unit.module`` is the module
         # inside an activation-checkpoint wrapper put around it after wrapping)
+        "members",  # fully_shard of a list: its modules (see [Note: A list of modules] in _fully_shard.py); else ()
         "config",  # the UnitConfig its front-end resolved (see [Note: Unit configuration] in _config.py)
         # --- storage
         "device",  # where the unit computes and its storage lives (see [Note: Unit configuration])
@@ -170,6 +171,7 @@ class UnitState:
     def __init__(self, name: str, module: nn.Module, config: UnitConfig, device: torch.device) -> None:
         self.name = name
         self.wrapped_module = module
+        self.members: tuple[nn.Module, ...] = ()
         self.config = config
         self.in_forward_method = False
         self.nested_forwards = 0
