@@ -45,6 +45,7 @@ from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_param
 from flatshard._common import is_unit
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import TrainingState, UnitState
+from flatshard._torch_facade import fsdp2_state
 
 __all__ = ["FSDPModule", "fully_shard"]
 
@@ -97,6 +98,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         m.register_state_dict_pre_hook(_reshard_for_state_dict)
         m.register_load_state_dict_pre_hook(_reshard_for_state_dict)
         m.__class__ = _fsdp_class(type(m))
+        fsdp2_state.register(m)  # (what torch's pipelining reads: see [Note: Pipelining reduces the gradients itself])
         _UNITS.add(m)
     return module
 
@@ -300,6 +302,7 @@ class FSDPModule(TorchFSDPModule):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: gradients accumulate unsharded, unreduced, until a backward with it True (FSDP2's no_sync)."""
+        fsdp2_state.refuse_split_backward_caller(self)
         for m in self._units(recurse):
             m._unit_state.sync_gradients = bool(requires_gradient_sync)
 

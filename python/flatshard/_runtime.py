@@ -834,6 +834,7 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
         # forward): the unit's pre-backward, without a prefetch order, first, as torch's FSDP2 runs it.
         pre_backward(s, [], 0)
     s.switch("post-backward")
+    s.params_skipped = False
     use.finish()
     if s.config.use_orig_params:
         _orig_params.note_grads(s, grads)
@@ -902,6 +903,21 @@ def _hand_out_grads(s: UnitState) -> list[torch.Tensor]:
     return _orig_params.hand_out_grads(s)
 
 
+def reduce_pending(s: UnitState) -> None:
+    """Issues the reduction of the gradients the unit holds unreduced, where its gradients are synced: a use's whose
+    post-backward never ran, at the end of a backward; micro-batches' accumulated without sync, which torch's
+    pipelining reduces itself (see [Note: Pipelining reduces the gradients itself] in _torch_facade/fsdp2_state.py)."""
+    handle = s.handle
+    if handle is None or not s.sync_gradients or not handle.has_unsharded_grad():
+        return
+    if s.comm_hook is not None:
+        _comm_hooks.reduce(s)
+    elif s.tp_params and _tensor_parallel.has_partials(s):
+        _tensor_parallel.reduce(s)
+    else:
+        s.root.scheduler.reduce_grad(handle)
+
+
 def frozen_post_backward(s: UnitState, _grads: Any) -> None:
     if s.root.in_forward_call:  # see [Note: A backward inside the forward]
         return
@@ -917,17 +933,9 @@ def finish_backward(root: RootState) -> None:
     root.gathered_ahead.clear()  # (each is resharded below, or kept unsharded by its config)
     for unit in root.units:  # the same order on every rank
         s = unit._unit_state
-        handle = s.handle
         for use in live_uses(s):
             use.finish()  # a later backward through a kept graph is a new reduction
-        if handle is not None and s.sync_gradients and handle.has_unsharded_grad():
-            # a use whose post-backward never ran
-            if s.comm_hook is not None:
-                _comm_hooks.reduce(s)
-            elif s.tp_params and _tensor_parallel.has_partials(s):
-                _tensor_parallel.reduce(s)
-            else:
-                root.scheduler.reduce_grad(handle)
+        reduce_pending(s)  # (a use whose post-backward never ran)
     try:
         root.scheduler.finish_grad_sync()
     except BaseException:  # (a fully_shard all-reduce hook's error: the backward's gradients dropped, as any raised)
@@ -941,6 +949,8 @@ def finish_backward(root: RootState) -> None:
         _rank_guard.record_gradient_pattern(root)  # (before use_grad_views lets go of the flat gradients)
     for unit in root.units:
         s = unit._unit_state
+        if s.training_state is TrainingState.PRE_BACKWARD and s.handle is not None:  # (torch.autograd.grad over
+            s.params_skipped = True  # inputs only: the views' node did not run)
         s.switch("end of backward")
         handed_out, s.grads_handed_out = s.grads_handed_out, False  # (in its post-backward)
         if s.handle is not None and not s.holds_unsharded:
