@@ -44,7 +44,7 @@ def _trained(rank: int, world_size: int, impl: str, schedule: str) -> dict:
 
     if impl == "flatshard":
         from flatshard import fully_shard
-    else:
+    else:  # (torch's, or flatshard's under the opt-in: what the name in torch's package is then)
         from torch.distributed.fsdp import fully_shard
     pp_size = min(world_size, 2)
     mesh = _mesh((pp_size, world_size // pp_size))
@@ -81,9 +81,18 @@ def _trained(rank: int, world_size: int, impl: str, schedule: str) -> dict:
 
 
 def _all(rank: int, world_size: int) -> dict:
-    """Every schedule, torch's FSDP2 and flatshard's, in one process start."""
-    return {(impl, schedule): _trained(rank, world_size, impl, schedule)
-            for schedule in ("gpipe", "1f1b", "interleaved_1f1b") for impl in ("torch", "flatshard")}
+    """Every schedule, torch's FSDP2 and flatshard's, in one process start; one under the opt-in (as torchtitan
+    reaches flatshard: FLATSHARD_AS_TORCH_FSDP=1), where the name pipelining imported is flatshard's."""
+    import flatshard
+
+    out = {(impl, schedule): _trained(rank, world_size, impl, schedule)
+           for schedule in ("gpipe", "1f1b", "interleaved_1f1b") for impl in ("torch", "flatshard")}
+    flatshard.install_as_torch_fsdp()
+    try:
+        out["opt-in", "1f1b"] = _trained(rank, world_size, "opt-in", "1f1b")
+    finally:
+        flatshard.uninstall_as_torch_fsdp()
+    return out
 
 
 def test_pipeline_schedules_over_fully_shard_stages_train_as_torch():
@@ -93,14 +102,15 @@ def test_pipeline_schedules_over_fully_shard_stages_train_as_torch():
     from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_all, 4, timeout=240)):
-        for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
-            want, have = out["torch", schedule], out["flatshard", schedule]
+        for impl, schedule in (("flatshard", "gpipe"), ("flatshard", "1f1b"), ("flatshard", "interleaved_1f1b"),
+                               ("opt-in", "1f1b")):
+            want, have = out["torch", schedule], out[impl, schedule]
             for step, (w, h) in enumerate(zip(want["grads"], have["grads"])):
                 for i, (a, b) in enumerate(zip(w, h)):
                     torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7,
-                                               msg=f"rank {rank} {schedule}: gradient {i} at step {step}")
+                                               msg=f"rank {rank} {impl} {schedule}: gradient {i} at step {step}")
             for i, (a, b) in enumerate(zip(want["params"], have["params"])):
-                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=f"rank {rank} {schedule}: parameter {i}")
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=f"rank {rank} {impl} {schedule}: parameter {i}")
 
 
 def _split_backward(rank: int, world_size: int) -> dict:
@@ -117,6 +127,7 @@ def _split_backward(rank: int, world_size: int) -> dict:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(model[0])
     fully_shard(model)
+    assert fully_shard.state(model) is torch_fully_shard.state(model) is not None  # (what pipelining reads)
     x = torch.randn(2, 4, requires_grad=True)
     torch.autograd.grad(model(x).sum(), x)  # (the views' node does not run: what the split backward's first half does)
     with pytest.raises(NotImplementedError, match=r"reached unit '<root>' but never computed its parameters' gradients"):

@@ -103,6 +103,12 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     return module
 
 
+# torch's ``fully_shard.state(module)`` on flatshard's function too (a script that changed its import): the state
+# torch's contract filed on the module, a flatshard module's PipelinedState (see [Note: Pipelining reduces the
+# gradients itself] in _torch_facade/fsdp2_state.py), else None.
+fully_shard.state = fsdp2_state.state_of
+
+
 # [Note: A list of modules]
 # ``fully_shard([norm, lm_head])`` (accelerate's FSDP2 path shards a model's tail so) makes one unit of several
 # modules: one set of parameters gathered and reduced together, the modules sharing one UnitState (the first is

@@ -9,7 +9,9 @@ every schedule's ``step``: GPipe, 1F1B, the interleaved and looped ones): it tur
 stage's module (``state._state_ctx.all_states``, ``._fsdp_param_groups``), then the state's
 ``_root_post_backward_final_callback()``. ``fully_shard.state`` reads torch's contract registry in the module's
 ``__dict__``, where torch's ``fully_shard`` puts its ``FSDPState``; flatshard's ``fully_shard`` puts a
-``PipelinedState`` there instead (``register``), which answers those names and nothing else:
+``PipelinedState`` there instead (``register``), which answers those names and nothing else (under the opt-in, the
+name pipelining imported is bound to flatshard's ``fully_shard`` in a wrapper that keeps torch's ``.state``; flatshard's
+own ``fully_shard.state`` reads the same place):
 - a group's ``post_backward()``: the unit's pending gradient reduced (``_runtime.reduce_pending``) and the unit
   resharded, as torch's group does;
 - ``_root_post_backward_final_callback()``: the root's end of backward (``_runtime.finish_backward``): the
@@ -45,6 +47,12 @@ def register(module: nn.Module) -> None:
     """Files ``module``'s ``PipelinedState`` where torch's ``fully_shard.state(module)`` reads (see the Note)."""
     if _TORCH_KEY is not None:
         module.__dict__.setdefault(STATE_KEY, {})[_TORCH_KEY] = PipelinedState(module)
+
+
+def state_of(module: nn.Module) -> Any:
+    """What torch's ``fully_shard.state(module)`` returns: torch's FSDPState, a flatshard module's PipelinedState, or
+    None."""
+    return module.__dict__.get(STATE_KEY, {}).get(_TORCH_KEY)
 
 
 class PipelinedState:
@@ -116,7 +124,7 @@ class _ParamGroup:
 
 
 def _state_of(unit: nn.Module) -> PipelinedState:
-    return unit.__dict__.get(STATE_KEY, {}).get(_TORCH_KEY) or PipelinedState(unit)
+    return state_of(unit) or PipelinedState(unit)
 
 
 def refuse_split_backward_caller(module: nn.Module) -> None:
