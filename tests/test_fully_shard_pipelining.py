@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 _MESHES: dict = {}
-_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zero_bubble": 2}
+_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "interleaved_zero_bubble": 2}
 
 
 def _mesh(shape: tuple[int, int]) -> Any:
@@ -40,6 +40,7 @@ def _trained(rank: int, world_size: int, impl: str, schedule: str) -> dict:
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleLoopedBFS,
     )
 
     if impl == "flatshard":
@@ -63,7 +64,7 @@ def _trained(rank: int, world_size: int, impl: str, schedule: str) -> dict:
         stages.append(PipelineStage(chunk, index, n_stages, torch.device("cpu"), group=mesh.get_group("pp")))
     loss_fn = lambda out, y: ((out - y) ** 2).mean()
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-           "interleaved_zero_bubble": ScheduleInterleavedZeroBubble}[schedule]
+           "looped_bfs": ScheduleLoopedBFS, "interleaved_zero_bubble": ScheduleInterleavedZeroBubble}[schedule]
     pipe = cls(stages[0] if per_rank == 1 else stages, n_microbatches=4, loss_fn=loss_fn)
     params = [p for chunk in chunks for p in chunk.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -86,7 +87,7 @@ def _all(rank: int, world_size: int) -> dict:
     import flatshard
 
     out = {(impl, schedule): _trained(rank, world_size, impl, schedule)
-           for schedule in ("gpipe", "1f1b", "interleaved_1f1b") for impl in ("torch", "flatshard")}
+           for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs") for impl in ("torch", "flatshard")}
     flatshard.install_as_torch_fsdp()
     try:
         out["opt-in", "1f1b"] = _trained(rank, world_size, "opt-in", "1f1b")
@@ -103,7 +104,7 @@ def test_pipeline_schedules_over_fully_shard_stages_train_as_torch():
 
     for rank, out in enumerate(run_distributed(_all, 4, timeout=240)):
         for impl, schedule in (("flatshard", "gpipe"), ("flatshard", "1f1b"), ("flatshard", "interleaved_1f1b"),
-                               ("opt-in", "1f1b")):
+                               ("flatshard", "looped_bfs"), ("opt-in", "1f1b")):
             want, have = out["torch", schedule], out[impl, schedule]
             for step, (w, h) in enumerate(zip(want["grads"], have["grads"])):
                 for i, (a, b) in enumerate(zip(w, h)):
