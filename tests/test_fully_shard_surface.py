@@ -6,6 +6,8 @@ Split from tests/test_fully_shard.py (whose ``_build`` makes the models), as it 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -404,3 +406,40 @@ def test_what_is_not_supported_yet_is_refused_by_name():
     from flatshard.testing import run_distributed
 
     run_distributed(_refusals, 4, timeout=120)
+
+
+_WITHOUT_A_GROUP = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+if sys.argv[1] == "flatshard":
+    from flatshard import fully_shard
+else:
+    from torch.distributed.fsdp import fully_shard
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+fully_shard(model[0])
+fully_shard(model)
+model(torch.ones(2, 4)).sum().backward()
+print(dist.is_initialized(), dist.get_world_size(), type(model[0].weight.grad).__name__)
+dist.destroy_process_group()
+"""
+
+
+def test_fully_shard_without_a_process_group_initializes_it_as_torch():
+    """torchrun's environment set and no init_process_group call: torch's fully_shard (mesh=None) initializes the
+    default group itself (env://); flatshard's raised "torch.distributed is not initialized" (torch's
+    test_fully_shard_logging.py's child script runs so)."""
+    import socket
+    import subprocess
+    import sys
+
+    outs = {}
+    for impl in ("torch", "flatshard"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        done = subprocess.run([sys.executable, "-c", _WITHOUT_A_GROUP, impl], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert done.returncode == 0, (impl, done.stderr[-3000:])
+        outs[impl] = done.stdout.strip().splitlines()[-1]
+    assert outs["flatshard"] == outs["torch"] == "True 1 DTensor", outs

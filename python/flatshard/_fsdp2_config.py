@@ -25,12 +25,12 @@ from flatshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
 
 def default_mesh() -> Any:
-    """torch's default: a 1-D mesh over every rank, on the CUDA device where there is one, else the CPU."""
+    """torch's default: a 1-D mesh over every rank, on the CUDA device where there is one, else the CPU; as torch's,
+    the default process group is initialized first if it is not (from torchrun's environment: env://)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
-        raise RuntimeError("fully_shard: torch.distributed is not initialized; call "
-                           "torch.distributed.init_process_group() first (torchrun sets the environment for it).")
+        dist.init_process_group()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
