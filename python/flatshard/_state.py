@@ -173,13 +173,8 @@ class UnitState:
     def __init__(self, name: str, module: nn.Module, config: UnitConfig, device: torch.device) -> None:
         self.name = name
         self.wrapped_module = module
-        self.members: tuple[nn.Module, ...] = ()
         self.config = config
-        self.in_forward_method = False
-        self.nested_forwards = 0
-        self.method_ran_forward = False
-        self.forward_prefetch_to: list[UnitState] | None = None
-        self.backward_prefetch_to: list[UnitState] | None = None
+        self._init_fully_shard()
 
         self.device = device
         self.handle: _C.FlatParamHandle | None = None
@@ -193,13 +188,8 @@ class UnitState:
         self.param_local_names: list[str] = []
         self.frozen_indices: list[int] = []
         self.orig_params: list[nn.Parameter] = []
-        self.fsdp2_param_order: list[int] = []
         self.orig_grad_seen: list[bool] = []
         self.orig_grad_held: list[bool] = []
-        self.reduce_unused = False
-        self.reduce_scatters_in_flight = 1
-        self.reduce_scatter_group: Any = None
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.orig_grads_given: tuple[weakref.ref, list[tuple[weakref.ref | None, int]]] | None = None
         self.buffer_orig_dtypes: dict[tuple[nn.Module, str], torch.dtype] = {}
 
@@ -209,18 +199,10 @@ class UnitState:
         self.uses: weakref.WeakSet[Any] = weakref.WeakSet()
         self.placeholders_set = True
         self.explicit_unshard = False
-        self.forward_use: tuple[weakref.ref, int] | None = None
         self.sync_gradients = True
-        self.grads_handed_out = False
         self.gradient_gaps: list[int] = []
         self.params_skipped = False
         self.reshards_after_backward = True
-        self.forward_call: Any = None
-        self.dim0_rows: list | None = None
-        self.tp_params: dict = {}
-        self.tp_partial: dict = {}
-        self.tp_partial_acc: dict = {}
-        self.tp_specs: dict = {}
         self.holds_unsharded = False
         self.forward_input_dtype: torch.dtype | None = None
         self.comm_hook: Callable | None = None
@@ -231,6 +213,29 @@ class UnitState:
         self.dtensor_mesh: Any = None
         self.loading: dict[str, Any] = {}
         self.plain_state_dict = False
+
+    def _init_fully_shard(self) -> None:
+        """What fully_shard's front-end keeps (its FSDPModule setters' values, its hooks' state, its DTensor and
+        tensor-parallel parameters' bookkeeping); the class's units keep these values."""
+        self.members: tuple[nn.Module, ...] = ()
+        self.in_forward_method = False
+        self.nested_forwards = 0
+        self.method_ran_forward = False
+        self.forward_prefetch_to: list[UnitState] | None = None
+        self.backward_prefetch_to: list[UnitState] | None = None
+        self.fsdp2_param_order: list[int] = []
+        self.reduce_unused = False
+        self.reduce_scatters_in_flight = 1
+        self.reduce_scatter_group: Any = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.forward_use: tuple[weakref.ref, int] | None = None
+        self.grads_handed_out = False
+        self.forward_call: Any = None
+        self.dim0_rows: list | None = None
+        self.tp_params: dict = {}
+        self.tp_partial: dict = {}
+        self.tp_partial_acc: dict = {}
+        self.tp_specs: dict = {}
 
     def switch(self, hook: str) -> None:
         """The one place a unit's training state changes (see [Note: Unit state]): ``hook`` is a key of
