@@ -13,6 +13,9 @@ sum them with gloo's reduce-scatter and divide by a power of two.
 backward graphs; inductor's code generation inside a block is the same for either FSDP and costs tens of
 seconds on two cores (run by hand with ``backend="inductor"`` at W = 2, 2026-11-27: bit-equal too).
 
+``compiled_root`` compiles the root module before its first forward (torch's test_fully_shard_training_compile.py
+does), so that flatshard's lazy initialization meets dynamo.
+
 ``cpu_offload`` (``CPUOffloadPolicy``) goes through the front-end's path and the runtime's offload flag; on a
 CPU the host is the device, so no copy is made, by torch or by flatshard: the copies run on a GPU
 (tests/test_gpu.py).
@@ -41,7 +44,7 @@ VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
-         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "cpu_offload", "frozen_base_weights",
+         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "compiled_root", "cpu_offload", "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
          "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
          "cast_with_gradients",
@@ -140,7 +143,7 @@ def _build(impl: str, case: str) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         block_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    if case == "compiled_blocks":
+    if case.startswith("compiled_"):
         import torch._dynamo as dynamo
 
         dynamo.reset()
@@ -156,6 +159,9 @@ def _build(impl: str, case: str) -> nn.Module:
         fully_shard([model.ln_f, model.embed, model.head], reshard_after_forward=case.endswith("resharding"),
                     **{k: v for k, v in kwargs.items() if k == "mp_policy"})
     fully_shard(model, **kwargs)
+    if case == "compiled_root":  # torch's test_fully_shard_training_compile's way: the root compiled before its first
+        # forward, whose lazy init then runs under dynamo (kept out of __dict__'s modules: not a child of the model)
+        model.__dict__["compiled"] = torch.compile(model, backend="aot_eager")
     if case == "explicit_prefetch":  # torchtitan's, one block further: each block gathers the next two in forward,
         # the previous one in backward
         for i, block in enumerate(model.blocks):
@@ -226,7 +232,7 @@ def _train(model: nn.Module, case: str, rank: int, world_size: int) -> dict:
             second.backward()
             loss = loss + second
         else:
-            loss = gpt_loss(model, tokens, targets)
+            loss = gpt_loss(model.__dict__.get("compiled", model), tokens, targets)
             loss.backward()
         if case == "cast_with_gradients" and step == 0:  # (.float() of an fp32 model with gradients: a no-op, as
             model.float()  # torch's; a cast to another dtype after the first forward fails in torch's FSDP2 2.13)

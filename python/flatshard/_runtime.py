@@ -126,6 +126,7 @@ def set_reductions_in_flight(root: RootState) -> None:
     root.scheduler.max_reductions_in_flight = max(u._unit_state.reduce_scatters_in_flight for u in root.units)
 
 
+@torch._disable_dynamo  # (a root compiled before its first forward: built as it is, see [Note: Lazy dynamo])
 def lazy_init(root: FullyShardedDataParallel) -> None:
     """Makes ``root`` the root of every unit below it: one RootState, one scheduler (see [Note: Unit state]).
 
