@@ -59,6 +59,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard: expected an nn.Module or a non-empty list of them but got an empty list")
+    ignored_params = fsdp2_state.with_replicated_params(modules, ignored_params)
     for m in modules:
         if not isinstance(m, nn.Module):
             raise ValueError(f"fully_shard: expected an nn.Module but got {type(m).__name__}")
@@ -98,7 +99,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         m.register_state_dict_pre_hook(_reshard_for_state_dict)
         m.register_load_state_dict_pre_hook(_reshard_for_state_dict)
         m.__class__ = _fsdp_class(type(m))
-        fsdp2_state.register(m)  # (what torch's pipelining reads: see [Note: Pipelining reduces the gradients itself])
+        fsdp2_state.register(m)  # (what torch's pipelining and replicate read: see _torch_facade/fsdp2_state.py)
         _UNITS.add(m)
     return module
 

@@ -32,10 +32,11 @@ parameters' gradients (where torch's frames were renamed). See README's "FSDP2 A
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from typing import Any
 
 from torch import nn
-from torch.distributed._composable.contract import STATE_KEY
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem, _get_registry
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 # The key torch's contract files a module's FSDPState under: the function ``@contract`` wrapped (its ``.state`` reads
@@ -44,9 +45,26 @@ _TORCH_KEY = getattr(torch_fully_shard, "__wrapped__", None)
 
 
 def register(module: nn.Module) -> None:
-    """Files ``module``'s ``PipelinedState`` where torch's ``fully_shard.state(module)`` reads (see the Note)."""
+    """Files ``module``'s ``PipelinedState`` where torch's ``fully_shard.state(module)`` reads (see the Note), and
+    ``fully_shard`` in torch's registry of composable APIs (see [Note: Composing with torch's replicate])."""
     if _TORCH_KEY is not None:
         module.__dict__.setdefault(STATE_KEY, {})[_TORCH_KEY] = PipelinedState(module)
+    module.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
+
+
+# [Note: Composing with torch's replicate]
+# torch's composable APIs record themselves in a registry in each module's ``__dict__`` (``_get_registry``), which the
+# others read: torch's ``replicate`` (DDP) leaves the parameters of a module marked ``fully_shard`` to it, and
+# ``fully_shard`` leaves those of a module marked ``replicate`` to DDP. flatshard's ``fully_shard`` marks its modules
+# so (torch's ``fully_shard`` or ``replicate`` applied to one again then raises torch's "applied to a module once"),
+# and takes the parameters under a module marked ``replicate`` as ignored parameters (``with_replicated_params``).
+def with_replicated_params(modules: list[nn.Module], ignored_params: Any) -> Any:
+    """``ignored_params`` and every parameter under a module torch's ``replicate`` manages (see the Note above)."""
+    replicated = {id(p): p for m in modules for sub in m.modules()
+                  if "replicate" in (_get_registry(sub) or ()) for p in sub.parameters()}
+    if not replicated:
+        return ignored_params
+    return set(ignored_params or ()) | set(replicated.values())
 
 
 def state_of(module: nn.Module) -> Any:
