@@ -262,6 +262,9 @@ def _refusals(rank: int, world_size: int) -> None:
     with pytest.raises(AssertionError, match="can only be applied to a module once. fully_shard has already been "
                                              "applied to FSDPGPT"):
         fully_shard(model)
+    with pytest.raises(AssertionError, match="can only be applied to a module once. fully_shard has already been "
+                                             "applied to"):  # (torch's, over flatshard's: its registry says so)
+        torch_fully_shard(model)
     with pytest.raises(ValueError, match="fully_shard doesn't support scalar parameters. Change scale to a 1D tensor"):
         scalar = nn.Linear(2, 2)
         scalar.scale = nn.Parameter(torch.tensor(1.0))

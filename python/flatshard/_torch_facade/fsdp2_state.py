@@ -1,4 +1,5 @@
-"""torch FSDP2's state object, as far as torch's own code reads it from a fully_shard module.
+"""What torch's own code reads of a fully_shard module: FSDP2's state object (pipelining) and the composable APIs'
+registry (replicate).
 
 [Note: Pipelining reduces the gradients itself]
 ``torch.distributed.pipelining`` runs every micro-batch's backward of a stage with gradient sync off
@@ -17,8 +18,9 @@ own ``fully_shard.state`` reads the same place):
 - ``_root_post_backward_final_callback()``: the root's end of backward (``_runtime.finish_backward``): the
   reductions completed, the gradients handed out as the parameters' ``.grad``, every unit resharded.
 So the stage's gradients are the same as torch's FSDP2 gives (tests/test_fully_shard_pipelining.py). Only the
-module's own ``__dict__`` is touched, only on modules flatshard's ``fully_shard`` made. Any other attribute, and
-torch's ``fully_shard`` applied over the module (which would ``init`` this state), raises, naming the module.
+module's own ``__dict__`` is touched, only on modules flatshard's ``fully_shard`` made; any other attribute raises,
+naming the module (torch's ``fully_shard`` applied over the module again raises torch's "applied to a module once": see
+[Note: Composing with torch's replicate]).
 
 The split backward of the zero-bubble schedules is not supported: it differentiates with respect to each parameter
 as a leaf, where flatshard's unsharded parameters are outputs of one autograd node per unit, and sets the result as
@@ -101,11 +103,6 @@ class PipelinedState:
             return
         _refuse_split_backward(root)
         _runtime.finish_backward(root)
-
-    def init(self, *_args: Any, **_kwargs: Any) -> None:
-        raise RuntimeError(
-            f"torch's fully_shard was applied to {type(self._module).__name__}, which flatshard's fully_shard made "
-            f"an FSDPModule already: one model uses one of the two (apply flatshard's, or torch's, to every module).")
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
