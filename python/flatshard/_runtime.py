@@ -633,8 +633,9 @@ def _hook_tensor(tensor: torch.Tensor, hook: Callable) -> None:
 
 
 # [Note: Lazy dynamo]
-# The few functions a compiled forward must call as they are (the guard's check, its creation at lazy init,
-# the forward's guard call: process groups and C++ handles are not traceable) are marked with
+# The few functions a compiled forward must call as they are (lazy init itself, where a root is compiled before its
+# first forward; the guard's check, its creation at lazy init, the forward's guard call: process groups and C++
+# handles are not traceable) are marked with
 # torch._disable_dynamo, not torch.compiler.disable: the same mark, applied at the first call, so that
 # `import flatshard` does not import torch._dynamo (seconds of a process's start, for every rank and tool
 # that never compiles). torch marks its own functions so (torch.manual_seed, the optimizers' hooks); dynamo
