@@ -650,3 +650,64 @@ def test_post_accumulate_grad_hooks_change_no_gradient_and_no_collective():
                                                     "3.weight", "3.bias", "twice.first.weight", "twice.first.bias",
                                                     "twice.block.weight", "twice.block.bias"]), (together, seen)
                 assert seen.count("twice.block.weight") == (2 if together == "0" else 1), (together, seen)
+
+
+def _chunked_loss(rank: int, world_size: int) -> dict:
+    """torchtitan's ChunkedLossWrapper (torchtitan/components/loss.py): the model's forward stops before the head; the
+    loss runs the head (a unit of the root, kept unsharded, gradient sync off but for the last chunk) on each chunk of
+    the detached hidden states with a backward each, then backpropagates the chunks' input gradients through the
+    model. Two steps; every parameter's gradient and the losses."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from flatshard import fully_shard
+
+    out = {}
+    for impl, shard in (("torch", torch_fully_shard), ("flatshard", fully_shard)):
+        torch.manual_seed(0)
+        model = _SkippableHead()
+        shard(model.body)
+        shard(model.head)
+        shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads, losses = [], []
+        for step in range(2):
+            tokens = torch.randint(16, (4, 6), generator=torch.Generator().manual_seed(10 * step + rank))
+            hidden = model(tokens, skip_head=True)
+            head = model.head
+            head.set_reshard_after_forward(False)
+            head.set_reshard_after_backward(False)
+            head.set_requires_gradient_sync(False, recurse=False)
+            head.unshard()
+            chunks = [c.detach().requires_grad_(True) for c in hidden.split(2)]
+            total, input_grads = 0.0, []
+            for i, (chunk, targets) in enumerate(zip(chunks, tokens.split(2))):
+                if i == len(chunks) - 1:
+                    head.set_requires_gradient_sync(True, recurse=False)
+                loss = nn.functional.cross_entropy(head(chunk).flatten(0, 1), targets.flatten())
+                loss.backward()
+                input_grads.append(chunk.grad)
+                total += loss.item()
+            head.set_reshard_after_forward(True)
+            head.set_reshard_after_backward(True)
+            head.set_requires_gradient_sync(True, recurse=False)
+            head.reshard()
+            hidden.backward(torch.cat(input_grads))
+            grads.append({n: _local(p.grad).clone() for n, p in model.named_parameters()})
+            losses.append(total)
+            opt.step()
+            opt.zero_grad()
+        out[impl] = {"grads": grads, "losses": losses}
+    return out
+
+
+def test_torchtitans_chunked_loss_as_torch():
+    """Losses and gradients equal to torch's FSDP2's (rtol 1e-6: the head's chunks summed before one reduction)."""
+    from flatshard.testing import run_distributed
+
+    for rank, out in enumerate(run_distributed(_chunked_loss, 2, timeout=120)):
+        assert out["flatshard"]["losses"] == pytest.approx(out["torch"]["losses"], rel=1e-6), rank
+        for step, (want, have) in enumerate(zip(out["torch"]["grads"], out["flatshard"]["grads"])):
+            assert list(have) == list(want), (rank, list(have))
+            for name in want:
+                torch.testing.assert_close(have[name], want[name], rtol=1e-6, atol=1e-7,
+                                           msg=f"rank {rank} step {step}: {name}")
