@@ -44,7 +44,8 @@ VOCAB, SEQ, STEPS, LR = 67, 10, 3, 1e-2
 CASES = ["reshard_after_forward=None", "reshard_after_forward=True", "reshard_after_forward=False",
          "no_gradient_sync", "checkpointed_blocks", "frozen_embedding", "ignored_position_table", "meta_then_to_empty",
          "bf16_params_fp32_reduce", "bf16_params_and_reduce", "bf16_fp32_outputs", "fp16_params_and_reduce",
-         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "compiled_root", "cpu_offload", "frozen_base_weights",
+         "bf16_params_fp32_reduce_no_gradient_sync", "compiled_blocks", "compiled_root", "cpu_offload",
+         "frozen_base_weights",
          "tail_group", "tail_group_resharding", "tail_group_bf16_params_fp32_reduce", "explicit_prefetch",
          "divide_factor_summed", "kept_after_backward", "kept_after_backward_synced", "cast_to_float64_after",
          "cast_with_gradients",
@@ -160,7 +161,8 @@ def _build(impl: str, case: str) -> nn.Module:
                     **{k: v for k, v in kwargs.items() if k == "mp_policy"})
     fully_shard(model, **kwargs)
     if case == "compiled_root":  # torch's test_fully_shard_training_compile's way: the root compiled before its first
-        # forward, whose lazy init then runs under dynamo (kept out of __dict__'s modules: not a child of the model)
+        # forward, whose lazy init then runs under dynamo. (Put in __dict__: an attribute set the usual way would make
+        # the compiled wrapper a child module of the model it wraps.)
         model.__dict__["compiled"] = torch.compile(model, backend="aot_eager")
     if case == "explicit_prefetch":  # torchtitan's, one block further: each block gathers the next two in forward,
         # the previous one in backward

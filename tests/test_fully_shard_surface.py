@@ -241,6 +241,9 @@ def _refusals(rank: int, world_size: int) -> None:
         fully_shard(fresh(), dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
     with pytest.raises(ValueError, match="expected an nn.Module or a non-empty list of them but got an empty list"):
         fully_shard([])
+    for bad in (3, [nn.Linear(2, 2), 3]):
+        with pytest.raises(ValueError, match="fully_shard: expected an nn.Module but got int"):
+            fully_shard(bad)
     tied = nn.ModuleDict({"embed": nn.Embedding(6, 4), "head": nn.Linear(4, 6, bias=False)})
     tied.head.weight = tied.embed.weight
     fully_shard(tied.embed)

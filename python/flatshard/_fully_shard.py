@@ -45,7 +45,7 @@ from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_param
 from flatshard._common import is_unit
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import TrainingState, UnitState
-from flatshard._torch_facade import fsdp2_state
+from flatshard._torch_facade import composable_registry, fsdp2_state
 
 __all__ = ["FSDPModule", "fully_shard"]
 
@@ -59,10 +59,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard: expected an nn.Module or a non-empty list of them but got an empty list")
-    ignored_params = fsdp2_state.with_replicated_params(modules, ignored_params)
     for m in modules:
         if not isinstance(m, nn.Module):
             raise ValueError(f"fully_shard: expected an nn.Module but got {type(m).__name__}")
+    ignored_params = composable_registry.with_replicated_params(modules, ignored_params)
+    for m in modules:
         if is_unit(m):  # (torch's AssertionError and phrase)
             raise AssertionError(f"Each distinct composable distributed API can only be applied to a module once. "
                                  f"fully_shard has already been applied to {type(m).__name__} (or it is a "
@@ -99,7 +100,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         m.register_state_dict_pre_hook(_reshard_for_state_dict)
         m.register_load_state_dict_pre_hook(_reshard_for_state_dict)
         m.__class__ = _fsdp_class(type(m))
-        fsdp2_state.register(m)  # (what torch's pipelining and replicate read: see _torch_facade/fsdp2_state.py)
+        fsdp2_state.register(m)  # (what torch's pipelining reads: see [Note: Pipelining reduces the gradients itself])
+        composable_registry.mark(m)  # (what torch's replicate reads: see [Note: Composing with torch's replicate])
         _UNITS.add(m)
     return module
 

@@ -836,7 +836,6 @@ def post_backward(s: UnitState, use: Use, grads: tuple[torch.Tensor | None, ...]
         # forward): the unit's pre-backward, without a prefetch order, first, as torch's FSDP2 runs it.
         pre_backward(s, [], 0)
     s.switch("post-backward")
-    s.params_skipped = False
     use.finish()
     if s.config.use_orig_params:
         _orig_params.note_grads(s, grads)
@@ -951,8 +950,6 @@ def finish_backward(root: RootState) -> None:
         _rank_guard.record_gradient_pattern(root)  # (before use_grad_views lets go of the flat gradients)
     for unit in root.units:
         s = unit._unit_state
-        if s.training_state is TrainingState.PRE_BACKWARD and s.handle is not None:  # (torch.autograd.grad over
-            s.params_skipped = True  # inputs only: the views' node did not run)
         s.switch("end of backward")
         handed_out, s.grads_handed_out = s.grads_handed_out, False  # (in its post-backward)
         if s.handle is not None and not s.holds_unsharded:

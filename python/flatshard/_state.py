@@ -137,8 +137,6 @@ class UnitState:
         # before its end for their post-accumulate-grad hooks (see [Note: Post-accumulate-grad hooks] in
         # _dtensor_params.py)
         "gradient_gaps",  # its trainable parameters that got no gradient then, for the rank guard (indices)
-        "params_skipped",  # a backward ran its pre-backward but not its post-backward (its parameters' gradients were
-        # not computed there) since its last post-backward (see _torch_facade/fsdp2_state.py's refusal)
         "reshards_after_backward",  # fully_shard's set_reshard_after_backward: False keeps the parameters unsharded
         # after backward, until a forward that reshards (gradient accumulation without the all-gathers)
         "forward_call",  # fully_shard: what its forward pre-hook hands its forward hook: (_runtime.ForwardCall,
@@ -201,7 +199,6 @@ class UnitState:
         self.explicit_unshard = False
         self.sync_gradients = True
         self.gradient_gaps: list[int] = []
-        self.params_skipped = False
         self.reshards_after_backward = True
         self.holds_unsharded = False
         self.forward_input_dtype: torch.dtype | None = None

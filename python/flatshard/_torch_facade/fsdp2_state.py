@@ -1,5 +1,4 @@
-"""What torch's own code reads of a fully_shard module: FSDP2's state object (pipelining) and the composable APIs'
-registry (replicate).
+"""torch FSDP2's state object, as far as torch's own code (pipelining) reads it from a fully_shard module.
 
 [Note: Pipelining reduces the gradients itself]
 ``torch.distributed.pipelining`` runs every micro-batch's backward of a stage with gradient sync off
@@ -10,35 +9,34 @@ every schedule's ``step``: GPipe, 1F1B, the interleaved and looped ones): it tur
 stage's module (``state._state_ctx.all_states``, ``._fsdp_param_groups``), then the state's
 ``_root_post_backward_final_callback()``. ``fully_shard.state`` reads torch's contract registry in the module's
 ``__dict__``, where torch's ``fully_shard`` puts its ``FSDPState``; flatshard's ``fully_shard`` puts a
-``PipelinedState`` there instead (``register``), which answers those names and nothing else (under the opt-in, the
-name pipelining imported is bound to flatshard's ``fully_shard`` in a wrapper that keeps torch's ``.state``; flatshard's
-own ``fully_shard.state`` reads the same place):
+``PipelinedState`` there instead (``register``), which answers those names and nothing else (pipelining's module
+keeps torch's ``fully_shard`` under the opt-in too, whose ``.state`` reads that place; flatshard's own
+``fully_shard.state`` reads it as well):
 - a group's ``post_backward()``: the unit's pending gradient reduced (``_runtime.reduce_pending``) and the unit
   resharded, as torch's group does;
 - ``_root_post_backward_final_callback()``: the root's end of backward (``_runtime.finish_backward``): the
   reductions completed, the gradients handed out as the parameters' ``.grad``, every unit resharded.
 So the stage's gradients are the same as torch's FSDP2 gives (tests/test_fully_shard_pipelining.py). Only the
 module's own ``__dict__`` is touched, only on modules flatshard's ``fully_shard`` made; any other attribute raises,
-naming the module (torch's ``fully_shard`` applied over the module again raises torch's "applied to a module once": see
-[Note: Composing with torch's replicate]).
+naming the module.
 
 The split backward of the zero-bubble schedules is not supported: it differentiates with respect to each parameter
 as a leaf, where flatshard's unsharded parameters are outputs of one autograd node per unit, and sets the result as
 ``.grad`` of the unsharded parameter, which no flatshard reduction reads (torch's code then fails on its own, with a
-KeyError on flatshard's node or a gradient of another parameter's size, or trains without those gradients). So
-``set_requires_gradient_sync``, which the stage calls right before each half of it, refuses it by name
-(``refuse_split_backward_caller``), and the final callback refuses a step whose backwards never computed a unit's
-parameters' gradients (where torch's frames were renamed). See README's "FSDP2 API".
+KeyError on flatshard's node or a gradient of another parameter's size). So ``set_requires_gradient_sync``, which the
+stage calls right before each half of it, refuses it by name (``refuse_split_backward_caller``). The refusal is a
+rank's own, as any error in a pipeline step: a rank whose stage runs no such half (the first stage runs the weight half
+as a full backward) goes on and waits for its peer in point-to-point until the group's timeout. See README's "FSDP2
+API".
 """
 
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from typing import Any
 
 from torch import nn
-from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem, _get_registry
+from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 # The key torch's contract files a module's FSDPState under: the function ``@contract`` wrapped (its ``.state`` reads
@@ -47,26 +45,9 @@ _TORCH_KEY = getattr(torch_fully_shard, "__wrapped__", None)
 
 
 def register(module: nn.Module) -> None:
-    """Files ``module``'s ``PipelinedState`` where torch's ``fully_shard.state(module)`` reads (see the Note), and
-    ``fully_shard`` in torch's registry of composable APIs (see [Note: Composing with torch's replicate])."""
+    """Files ``module``'s ``PipelinedState`` where torch's ``fully_shard.state(module)`` reads (see the Note)."""
     if _TORCH_KEY is not None:
         module.__dict__.setdefault(STATE_KEY, {})[_TORCH_KEY] = PipelinedState(module)
-    module.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
-
-
-# [Note: Composing with torch's replicate]
-# torch's composable APIs record themselves in a registry in each module's ``__dict__`` (``_get_registry``), which the
-# others read: torch's ``replicate`` (DDP) leaves the parameters of a module marked ``fully_shard`` to it, and
-# ``fully_shard`` leaves those of a module marked ``replicate`` to DDP. flatshard's ``fully_shard`` marks its modules
-# so (torch's ``fully_shard`` or ``replicate`` applied to one again then raises torch's "applied to a module once"),
-# and takes the parameters under a module marked ``replicate`` as ignored parameters (``with_replicated_params``).
-def with_replicated_params(modules: list[nn.Module], ignored_params: Any) -> Any:
-    """``ignored_params`` and every parameter under a module torch's ``replicate`` manages (see the Note above)."""
-    replicated = {id(p): p for m in modules for sub in m.modules()
-                  if "replicate" in (_get_registry(sub) or ()) for p in sub.parameters()}
-    if not replicated:
-        return ignored_params
-    return set(ignored_params or ()) | set(replicated.values())
 
 
 def state_of(module: nn.Module) -> Any:
@@ -88,7 +69,7 @@ class PipelinedState:
         from flatshard import _runtime
 
         root = _runtime.require_root(self._module, "FSDP's final callback runs on the root FSDP module only")
-        return _StateContext([_state_of(unit) for unit in root.units])
+        return _StateContext([_pipelined_state_or_new(unit) for unit in root.units])
 
     @property
     def _fsdp_param_groups(self) -> list[_ParamGroup]:
@@ -101,7 +82,6 @@ class PipelinedState:
         root = _runtime.require_root(self._module, "FSDP's final callback runs on the root FSDP module only")
         if root.final_callback_queued:  # inside a backward: its end runs it
             return
-        _refuse_split_backward(root)
         _runtime.finish_backward(root)
 
     def __getattr__(self, name: str) -> Any:
@@ -138,7 +118,7 @@ class _ParamGroup:
             _runtime.reshard(s)
 
 
-def _state_of(unit: nn.Module) -> PipelinedState:
+def _pipelined_state_or_new(unit: nn.Module) -> PipelinedState:
     return state_of(unit) or PipelinedState(unit)
 
 
@@ -154,20 +134,6 @@ def refuse_split_backward_caller(module: nn.Module) -> None:
         raise NotImplementedError(
             f"flatshard: torch.distributed.pipelining runs a split backward ('{caller.f_locals['backward_type']}' "
             f"half, the zero-bubble schedules) through {type(module).__name__}: {_SPLIT_BACKWARD}")
-
-
-def _refuse_split_backward(root: Any) -> None:
-    """Where the caller's check above did not see it (torch renamed its frames): the split backward's input half
-    reached a unit but never its parameters' gradients (flatshard's post-backward never ran for it since), and no
-    gradient is pending: refused rather than reduce nothing and train without them."""
-    for unit in root.units:
-        s = unit._unit_state
-        if s.handle is not None and s.params_skipped and s.flat_param.requires_grad and \
-                not s.handle.has_unsharded_grad():
-            raise NotImplementedError(
-                f"flatshard: the backwards of this pipeline step reached unit '{s.label}' but never computed its "
-                f"parameters' gradients (torch.distributed.pipelining's split backward, stage_backward_input / "
-                f"stage_backward_weight, of the zero-bubble schedules): {_SPLIT_BACKWARD}")
 
 
 _SPLIT_BACKWARD = ("flatshard's fully_shard does not support the split backward, whose weight gradients it would not "
