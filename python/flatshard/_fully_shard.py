@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 
-from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_params, _runtime
+from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_params, _param_meshes, _runtime
 from flatshard._common import is_unit
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import TrainingState, UnitState
@@ -71,6 +71,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         _fsdp2_config.check_parameters(m, ignored_params)
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard: the list of modules names one module twice")
+    # (parameters shard_placement_fn puts on another mesh: units of their own first, see [Note: Parameters on a mesh of
+    # their own] in _param_meshes.py)
+    _param_meshes.shard_apart(modules, mesh, shard_placement_fn, ignored_params, fully_shard,
+                              reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                              offload_policy=offload_policy)
     config = _fsdp2_config.resolve(modules[0], mesh, reshard_after_forward, shard_placement_fn, mp_policy,
                                    offload_policy, ignored_params, dp_mesh_dims)
     # One unit for all of them (see [Note: A list of modules]): the first is the unit's module.

@@ -1,0 +1,85 @@
+"""fully_shard's parameters that ``shard_placement_fn`` puts on a mesh of their own.
+
+[Note: Parameters on a mesh of their own]
+torch's ``shard_placement_fn`` may return ``ShardPlacementResult(placement, mesh_info)``, whose ``mesh_info`` names
+another mesh than the call's: torchtitan's expert parallelism (``torchtitan/distributed/fsdp.py``, EP > 1) shards a
+block's routed experts over the expert-data-parallel mesh and the rest of the block over the dense one, in one
+``fully_shard(block)``; torch's FSDP2 makes one parameter group per mesh inside the block's state. flatshard's unit
+has one flat parameter over one group pair, so such a call first makes, of each largest submodule whose parameters
+(those not ignored, nor another unit's) are all on one other mesh, a unit of its own over that mesh, with their
+placements (``fully_shard(submodule, mesh=mesh_info.mesh, shard_placement_fn=<the placements>)``, the call's other
+arguments as given), then the block's unit over the rest. Each parameter is the DTensor torch's makes (same mesh,
+placements, local rows) and is reduced over the same group, so training is the same (tests/test_fully_shard_
+expert_mesh.py, against torch's). What differs: the submodule is an ``FSDPModule`` of its own (torch's is not), with
+its own pre-forward, where torch gathers both groups at the block's; its all-gather is issued there, at the block's
+implicit prefetch, not beside the block's. A parameter of another mesh that no such submodule holds alone (held by the
+block itself, or beside parameters of the call's mesh in one submodule) is refused by name, as a mesh given under
+``dp_mesh_dims`` (torch's SPMD path) is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from flatshard._common import OWNER_ATTR
+
+
+def shard_apart(modules: list[nn.Module], mesh: Any, shard_placement_fn: Callable | None, ignored_params: Any,
+                fully_shard: Callable, **kwargs: Any) -> None:
+    """Makes the units of the parameters ``shard_placement_fn`` puts on other meshes than ``mesh`` (see the Note);
+    ``kwargs``: the call's other arguments, given to each."""
+    if shard_placement_fn is None or mesh is None:
+        return
+    ignored = set(ignored_params or ())
+    others: dict[int, tuple[Any, set[int]]] = {}  # id of the other mesh -> (its mesh, its parameters' ids)
+    for m in modules:
+        for name, p in m.named_parameters():
+            if p in ignored or getattr(p, OWNER_ATTR, None) is not None:
+                continue
+            result = shard_placement_fn(p)
+            mesh_info = getattr(result, "mesh_info", None)
+            other = getattr(mesh_info, "mesh", mesh)
+            if type(result).__name__ != "ShardPlacementResult" or other is mesh:
+                continue
+            if getattr(mesh_info, "is_spmd_mesh", False):
+                raise NotImplementedError(f"fully_shard: shard_placement_fn gives parameter '{name}' a mesh of its "
+                                          f"own under dp_mesh_dims (torch's SPMD path); flatshard supports that "
+                                          f"without dp_mesh_dims only.")
+            others.setdefault(id(other), (other, set()))[1].add(id(p))
+    for other, ids in others.values():
+        apart = [s for m in modules for s in _largest_holding_only(m, ids, ignored)]
+        held = {id(p) for s in apart for p in _own(s, ignored)}
+        for m in modules:
+            for name, p in m.named_parameters():
+                if id(p) in ids and id(p) not in held:
+                    raise NotImplementedError(
+                        f"fully_shard: shard_placement_fn gives parameter '{name}' of {type(m).__name__} a mesh of "
+                        f"its own ({other}); flatshard makes such parameters a unit of their own, of a submodule that "
+                        f"holds only parameters on that mesh, and '{name}' is held by the module given or beside "
+                        f"parameters on the call's mesh: move it into such a submodule, or call fully_shard on that "
+                        f"submodule with mesh= first.")
+        for s in apart:
+            fully_shard(s, mesh=other, shard_placement_fn=lambda p, fn=shard_placement_fn: _placement(fn(p)),
+                        ignored_params=ignored_params, **kwargs)
+
+
+def _own(module: nn.Module, ignored: set) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p not in ignored and getattr(p, OWNER_ATTR, None) is None]
+
+
+def _largest_holding_only(module: nn.Module, ids: set[int], ignored: set) -> list[nn.Module]:
+    """The largest submodules of ``module`` (itself excluded) whose parameters are all in ``ids``."""
+    out = []
+    for child in module.children():
+        params = _own(child, ignored)
+        if params and all(id(p) in ids for p in params):
+            out.append(child)
+        elif any(id(p) in ids for p in params):
+            out += _largest_holding_only(child, ids, ignored)
+    return out
+
+
+def _placement(result: Any) -> Any:
+    return getattr(result, "placement", result)
