@@ -75,6 +75,11 @@ def _trained(rank: int, world_size: int, impl: str, dim: int) -> dict:
 
         fully_shard(block, mesh=dense, shard_placement_fn=placement)
     fully_shard(model, mesh=dense)
+    # torchtitan's explicit prefetch under EP (each block gathers the next in forward, the previous in backward)
+    model[1].set_modules_to_forward_prefetch([model[2]])
+    model[2].set_modules_to_backward_prefetch([model[1]])
+    if impl == "flatshard":  # (the experts' unit goes along with its block)
+        assert model[1]._unit_state.forward_prefetch_to == [model[2]._unit_state, model[2].experts._unit_state]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     out: dict = {"losses": []}
     for step in range(3):

@@ -73,9 +73,9 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         raise ValueError("fully_shard: the list of modules names one module twice")
     # (parameters shard_placement_fn puts on another mesh: units of their own first, see [Note: Parameters on a mesh of
     # their own] in _param_meshes.py)
-    _param_meshes.shard_apart(modules, mesh, shard_placement_fn, ignored_params, fully_shard,
-                              reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                              offload_policy=offload_policy)
+    apart = _param_meshes.shard_apart(modules, mesh, shard_placement_fn, ignored_params, fully_shard,
+                                      reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                                      offload_policy=offload_policy)
     config = _fsdp2_config.resolve(modules[0], mesh, reshard_after_forward, shard_placement_fn, mp_policy,
                                    offload_policy, ignored_params, dp_mesh_dims)
     # One unit for all of them (see [Note: A list of modules]): the first is the unit's module.
@@ -84,6 +84,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     taken = _fsdp2_config.take_tp_locals(modules, config, reshard_after_forward, shard_placement_fn)
     state = UnitState("", modules[0], config, config.device_id)
     state.tp_params = taken
+    state.apart_units = tuple(m._unit_state for m in apart)
     if len(modules) > 1:
         state.members = tuple(modules)
     for m in modules:
@@ -254,7 +255,7 @@ def _prefetch_states(method: str, modules: list) -> list[UnitState]:
         if not is_unit(m) or not m._unit_state.config.dim0_layout:
             raise ValueError(f"FSDPModule.{method}: expects FSDPModules (modules fully_shard was called on) but got "
                              f"{type(m).__name__}")
-    return [m._unit_state for m in modules]
+    return [st for m in modules for st in (m._unit_state, *m._unit_state.apart_units)]
 
 
 def _not_yet(name: str) -> Callable:

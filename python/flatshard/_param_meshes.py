@@ -9,12 +9,13 @@ has one flat parameter over one group pair, so such a call first makes, of each 
 (those not ignored, nor another unit's) are all on one other mesh, a unit of its own over that mesh, with their
 placements (``fully_shard(submodule, mesh=mesh_info.mesh, shard_placement_fn=<the placements>)``, the call's other
 arguments as given), then the block's unit over the rest. Each parameter is the DTensor torch's makes (same mesh,
-placements, local rows) and is reduced over the same group, so training is the same (tests/test_fully_shard_
-expert_mesh.py, against torch's). What differs: the submodule is an ``FSDPModule`` of its own (torch's is not), with
-its own pre-forward, where torch gathers both groups at the block's; its all-gather is issued there, at the block's
-implicit prefetch, not beside the block's. A parameter of another mesh that no such submodule holds alone (held by the
-block itself, or beside parameters of the call's mesh in one submodule) is refused by name, as a mesh given under
-``dp_mesh_dims`` (torch's SPMD path) is.
+placements, local rows) and is reduced over the same group, so training is the same
+(tests/test_fully_shard_expert_mesh.py, against torch's). What differs: the submodule is an ``FSDPModule`` of its own
+(torch's is not), with its own pre-forward, where torch gathers both groups at the block's: its all-gather is issued
+there, or by the runtime's implicit prefetch, not beside the block's; a block prefetched explicitly
+(``set_modules_to_forward_prefetch``, as torchtitan sets under EP) takes its units along. A parameter of another mesh
+that no such submodule holds alone (held by the block itself, or beside parameters of the call's mesh in one
+submodule) is refused by name, as a mesh given under ``dp_mesh_dims`` (torch's SPMD path) is.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from flatshard._common import OWNER_ATTR
 
 
 def shard_apart(modules: list[nn.Module], mesh: Any, shard_placement_fn: Callable | None, ignored_params: Any,
-                fully_shard: Callable, **kwargs: Any) -> None:
+                fully_shard: Callable, **kwargs: Any) -> list[nn.Module]:
     """Makes the units of the parameters ``shard_placement_fn`` puts on other meshes than ``mesh`` (see the Note);
-    ``kwargs``: the call's other arguments, given to each."""
+    ``kwargs``: the call's other arguments, given to each. Returns their modules."""
     if shard_placement_fn is None or mesh is None:
-        return
+        return []
     ignored = set(ignored_params or ())
     others: dict[int, tuple[Any, set[int]]] = {}  # id of the other mesh -> (its mesh, its parameters' ids)
     for m in modules:
@@ -48,6 +49,7 @@ def shard_apart(modules: list[nn.Module], mesh: Any, shard_placement_fn: Callabl
                                           f"own under dp_mesh_dims (torch's SPMD path); flatshard supports that "
                                           f"without dp_mesh_dims only.")
             others.setdefault(id(other), (other, set()))[1].add(id(p))
+    made = []
     for other, ids in others.values():
         apart = [s for m in modules for s in _largest_holding_only(m, ids, ignored)]
         held = {id(p) for s in apart for p in _own(s, ignored)}
@@ -63,6 +65,8 @@ def shard_apart(modules: list[nn.Module], mesh: Any, shard_placement_fn: Callabl
         for s in apart:
             fully_shard(s, mesh=other, shard_placement_fn=lambda p, fn=shard_placement_fn: _placement(fn(p)),
                         ignored_params=ignored_params, **kwargs)
+        made += apart
+    return made
 
 
 def _own(module: nn.Module, ignored: set) -> list[nn.Parameter]:

@@ -97,6 +97,8 @@ class UnitState:
         "wrapped_module",  # what the unit calls: its _fsdp_wrapped_module (torch's ``unit.module`` is the module
         # inside an activation-checkpoint wrapper put around it after wrapping)
         "members",  # fully_shard of a list: its modules (see [Note: A list of modules] in _fully_shard.py); else ()
+        "apart_units",  # fully_shard: the units made of its parameters on meshes of their own (see [Note: Parameters
+        # on a mesh of their own] in _param_meshes.py), gathered with it where it is prefetched explicitly
         "config",  # the UnitConfig its front-end resolved (see [Note: Unit configuration] in _config.py)
         # --- storage
         "device",  # where the unit computes and its storage lives (see [Note: Unit configuration])
@@ -215,6 +217,7 @@ class UnitState:
         """What fully_shard's front-end keeps (its FSDPModule setters' values, its hooks' state, its DTensor and
         tensor-parallel parameters' bookkeeping); the class's units keep these values."""
         self.members: tuple[nn.Module, ...] = ()
+        self.apart_units: tuple[UnitState, ...] = ()
         self.in_forward_method = False
         self.nested_forwards = 0
         self.method_ran_forward = False
