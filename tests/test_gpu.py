@@ -181,7 +181,7 @@ def _shards_to_host_and_back(rank, world_size, backend, api):
     device = torch.device("cuda", 0)
 
     def build():
-        if api == "fully_shard":
+        if api.startswith("fully_shard"):
             gpt = make_gpt().to(device)
             for block in gpt.blocks:
                 fully_shard(block)
@@ -204,22 +204,39 @@ def _shards_to_host_and_back(rank, world_size, backend, api):
             out.append(loss.item())
         if step == 1:  # the rollout's turn: every shard and Adam moment on the host, then back
             before = torch.cuda.memory_allocated()
-            move_shards_to_host(model, opt)
+            if api == "fully_shard_module_to":  # verl's FSDP2 offload: the module moved, the optimizer's state apart
+                model.cpu()
+                _move_optimizer_state(opt, torch.device("cpu"))
+            else:
+                move_shards_to_host(model, opt)
             assert all(p.device.type == "cpu" for p in model.parameters())
             assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values() if t.dim() > 0)
             assert torch.cuda.memory_allocated() < before
             with pytest.raises(RuntimeError, match=r"are in host memory .*move_shards_to_device\(model\)"):
                 gpt_loss(model, *batch)
-            move_shards_to_device(model, opt)
+            if api == "fully_shard_module_to":
+                model.to(device)
+                _move_optimizer_state(opt, device)
+            else:
+                move_shards_to_device(model, opt)
             assert all(p.device == device for p in model.parameters())
     assert losses == ref_losses, f"{losses} vs {ref_losses} (never moved)"
 
 
-@pytest.mark.parametrize("api", ["flat_params", "use_orig_params", "fully_shard"])
+def _move_optimizer_state(opt, device):
+    """verl's offload_fsdp_optimizer / load_fsdp_optimizer: every tensor of the optimizer's state moved."""
+    for state in opt.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device)
+
+
+@pytest.mark.parametrize("api", ["flat_params", "use_orig_params", "fully_shard", "fully_shard_module_to"])
 def test_shards_to_host_and_back_on_gpu(api):
     """flatshard.move_shards_to_host/device mid-training (verl's offload between rollout and update): memory
     freed on the device, a forward meanwhile refused, training goes on exactly as a model never moved. The class
-    with either use_orig_params, and fully_shard (whose DTensor parameters follow their shards)."""
+    with either use_orig_params, and fully_shard (whose DTensor parameters follow their shards); fully_shard moved
+    with model.cpu() and model.to(device), as verl's FSDP2 offload does (see [Note: Shards on the host])."""
     run_distributed(_shards_to_host_and_back, 1, "nccl", api, backend="nccl", timeout=240)  # (the default group: NCCL)
 
 

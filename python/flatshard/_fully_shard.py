@@ -41,7 +41,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 
-from flatshard import _construction, _dtensor_params, _fsdp2_config, _orig_params, _param_meshes, _runtime
+from flatshard import (_construction, _dtensor_params, _fsdp2_config, _host_offload, _orig_params, _param_meshes,
+                       _runtime)
 from flatshard._common import is_unit
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import TrainingState, UnitState
@@ -493,22 +494,28 @@ class FSDPModule(TorchFSDPModule):
         root.in_iteration = False
 
     def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
-        """``to_empty``, ``.to``, ``.float()``, ``.to(torch.float64)``: applied, then every unit's parameters put
-        back onto its shard (see [Note: DTensor parameters] in _dtensor_params.py). A cast casts each unit's shard
-        (and gradient shard) first, so that the new values land in a shard of the new dtype."""
+        """``to_empty``, ``.to``, ``.float()``, ``.to(torch.float64)``, ``.cpu()``: applied, then every unit's
+        parameters put back onto its shard (see [Note: DTensor parameters] in _dtensor_params.py). A cast casts each
+        unit's shard (and gradient shard) first, so that the new values land in a shard of the new dtype; a move to
+        the host and back moves each unit's shard (see [Note: Shards on the host] in _host_offload.py)."""
         units = [m._unit_state for m in (self.modules() if recurse else [self])
                  if is_unit(m) and m._unit_state.handle is not None and m._unit_state.config.dim0_layout]
-        casts = []
-        for s in units:  # a move is refused before anything changes
+        casts, moves = [], []
+        for s in units:  # a move elsewhere is refused before anything changes
             shard = s.flat_param.detach()
             probe = fn(shard.new_empty(0))
             if probe.device != shard.device:
-                raise NotImplementedError(
-                    f"fully_shard: moving {type(s.wrapped_module).__name__} to {probe.device} after fully_shard is not "
-                    f"supported by flatshard yet (its shards are on {shard.device}); move the module before "
-                    f"fully_shard, or pass the mesh of the device it should train on.")
+                if probe.device != s.device and (probe.device.type != "cpu" or s.config.offload_params):
+                    raise NotImplementedError(
+                        f"fully_shard: moving {type(s.wrapped_module).__name__} to {probe.device} after fully_shard: "
+                        f"flatshard moves a fully_shard model's shards to the host and back to the device it trains "
+                        f"on ({s.device}) only; move the module before fully_shard, or pass the mesh of the device it "
+                        f"should train on.")
+                moves.append((s, probe.device))
             if probe.dtype != shard.dtype:
                 casts.append((s, probe.dtype))
+        for s, device in moves:  # (between iterations, nothing accumulated unreduced: move_shard refuses otherwise)
+            _host_offload.move_shard(s, device)
         for s, dtype in casts:  # (every refusal before anything changes)
             if (s.root is not None and s.root.in_iteration) or s.handle.has_unsharded_grad():
                 raise RuntimeError(f"fully_shard: {type(s.wrapped_module).__name__} cannot be cast to {dtype} during "

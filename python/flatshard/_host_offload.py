@@ -15,7 +15,9 @@ alone. While the shards are on the host a forward raises (the model would comput
 shards copied in at every gather, slowly, and put gradients on the host): move them
 back first (``_runtime._root_pre_forward`` checks ``RootState.shards_on_host``, which
 ``move_shard`` keeps). torch FSDP1's ``handle.flat_param_to(device)``, which verl calls unit
-by unit, reaches ``move_shard`` (see [Note: torch's internals]).
+by unit, reaches ``move_shard`` (see [Note: torch's internals]); so do a fully_shard module's ``.cpu()`` and
+``.to(device)`` back (verl's FSDP2 offload, ``offload_fsdp2_model_to_cpu``, moves the model so), for the units
+under it (``FSDPModule._apply``), as torch's FSDP2 moves its shards; a move to any other device is refused by name.
 """
 
 from __future__ import annotations
