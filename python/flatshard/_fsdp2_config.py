@@ -148,7 +148,8 @@ def shard_dims(fn: Callable, mesh: Any, params: list[nn.Parameter], names: list[
                 mesh_info = getattr(placement, "mesh_info", None)
                 if getattr(mesh_info, "mesh", mesh) is not mesh:
                     raise NotImplementedError(f"fully_shard: shard_placement_fn gives parameter '{name}' a mesh of its "
-                                              f"own; flatshard shards every parameter of a unit over the unit's mesh.")
+                                              f"own, which no unit of its own was made for (see [Note: Parameters on "
+                                              f"a mesh of their own] in _param_meshes.py).")
                 placement = placement.placement
             else:
                 raise ValueError(f"Invalid shard_placement_fn result: {placement} (for parameter '{name}')")

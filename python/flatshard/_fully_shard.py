@@ -74,6 +74,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         raise ValueError("fully_shard: the list of modules names one module twice")
     # (parameters shard_placement_fn puts on another mesh: units of their own first, see [Note: Parameters on a mesh of
     # their own] in _param_meshes.py)
+    if mesh is None and shard_placement_fn is not None and dp_mesh_dims is None:  # (the mesh the others differ from)
+        mesh = _fsdp2_config.default_mesh()
     apart = _param_meshes.shard_apart(modules, mesh, shard_placement_fn, ignored_params, fully_shard,
                                       reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                       offload_policy=offload_policy)
@@ -276,17 +278,23 @@ class FSDPModule(TorchFSDPModule):
 
     def reshard(self) -> None:
         """Frees this module's unsharded parameters (the registered DTensors come back)."""
-        s = self._unit_state
-        if s.handle is not None and s.root is not None:
-            _runtime.reshard(s)
+        for m in self._units(recurse=False):
+            s = m._unit_state
+            if s.handle is not None and s.root is not None:
+                _runtime.reshard(s)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this module's parameters; flatshard waits at once (with ``async_op``, the handle's
         ``wait()`` has nothing left to wait for). Before any forward, the outermost sharded module around this
         one is set up as the root first (the runtime is the root's; torch's sets up this module's group alone)."""
-        s = self._unit_state
-        if s.is_root is None:
+        if self._unit_state.is_root is None:
             _runtime.lazy_init(_outermost_unit_around(self))
+        for m in self._units(recurse=False):
+            m._unshard_own()
+        return UnshardHandle() if async_op else None
+
+    def _unshard_own(self) -> None:
+        s = self._unit_state
         if s.handle is not None:
             # (Unsharded already, its parameters on the modules: None, a forward's views kept, as torch's no-op.)
             views = s.root.scheduler.wait_for_unshard(s.handle, None, views=s.placeholders_set)
@@ -299,7 +307,6 @@ class FSDPModule(TorchFSDPModule):
                 # Until a forward or backward puts its autograd views there: nn.Parameters as torch's (which code
                 # that counts the trainable parameters between unshard() and forward reads), over the same memory.
                 _runtime.set_views(s, views, parameters=True)
-        return UnshardHandle() if async_op else None
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the units free their parameters after forward from now on, the root included (which, given
@@ -339,6 +346,8 @@ class FSDPModule(TorchFSDPModule):
         shard group is one rank (W = 1, HSDP over a shard dim of one), and a trainable parameter no rank gave a
         gradient to as zeros (torch's leaves both out)."""
         s = self._unit_state
+        if s.apart_units:  # (torch's error and phrase: see [Note: Parameters on a mesh of their own])
+            raise ValueError("set_all_reduce_hook is not supported with multiple param groups")
         if s.config.mesh.ndim > 1 and stream is not None:
             raise ValueError("stream cannot be set when using native HSDP")  # (torch's message)
         if hook is not None and not callable(hook):
@@ -434,6 +443,10 @@ class FSDPModule(TorchFSDPModule):
         self._set_divide_factors(self._unit_state.config.gradient_divide_factor, bool(enable))
 
     def _set_divide_factors(self, factor: float | None, force_sum: bool) -> None:
+        for m in self._units(recurse=False):
+            m._set_own_divide_factors(factor, force_sum)
+
+    def _set_own_divide_factors(self, factor: float | None, force_sum: bool) -> None:
         s = self._unit_state
         s.config = _fsdp2_config.with_divide_factors(s.config, factor, force_sum,
                                                      s.flat_param.dtype if s.handle is not None else None)
@@ -469,8 +482,11 @@ class FSDPModule(TorchFSDPModule):
         _warn_staging_buffers(f"set_symm_mem_for_comm({backend!r})")
 
     def _units(self, recurse: bool) -> list[nn.Module]:
-        """This module's units (itself and every fully_shard module inside it), or itself alone."""
-        return [m for m in self.modules() if is_unit(m)] if recurse else [self]
+        """This module's units (itself and every fully_shard module inside it), or itself alone, with the units of its
+        parameters on meshes of their own (see [Note: Parameters on a mesh of their own] in _param_meshes.py)."""
+        if recurse:
+            return [m for m in self.modules() if is_unit(m)]
+        return [self, *(apart.wrapped_module for apart in self._unit_state.apart_units)]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """flatshard ends every backward the same way: nothing to change."""
@@ -505,7 +521,12 @@ class FSDPModule(TorchFSDPModule):
             shard = s.flat_param.detach()
             probe = fn(shard.new_empty(0))
             if probe.device != shard.device:
-                if probe.device != s.device and (probe.device.type != "cpu" or s.config.offload_params):
+                if s.config.offload_params:
+                    raise NotImplementedError(
+                        f"fully_shard: moving {type(s.wrapped_module).__name__} to {probe.device} after fully_shard: "
+                        f"its shards stay in host memory by its CPUOffloadPolicy (they go to {s.device} for each "
+                        f"all-gather); leave it where it is.")
+                if probe.device != s.device and probe.device.type != "cpu":
                     raise NotImplementedError(
                         f"fully_shard: moving {type(s.wrapped_module).__name__} to {probe.device} after fully_shard: "
                         f"flatshard moves a fully_shard model's shards to the host and back to the device it trains "
@@ -514,7 +535,12 @@ class FSDPModule(TorchFSDPModule):
                 moves.append((s, probe.device))
             if probe.dtype != shard.dtype:
                 casts.append((s, probe.dtype))
-        for s, device in moves:  # (between iterations, nothing accumulated unreduced: move_shard refuses otherwise)
+        if moves:  # (set up first, as a forward would, so that the root knows where its shards are; every unit
+            if self._unit_state.is_root is None:  # checked before any moves: see [Note: Shards on the host])
+                _runtime.lazy_init(_outermost_unit_around(self))
+            for s, _ in moves:
+                _host_offload.check_movable(s)
+        for s, device in moves:
             _host_offload.move_shard(s, device)
         for s, dtype in casts:  # (every refusal before anything changes)
             if (s.root is not None and s.root.in_iteration) or s.handle.has_unsharded_grad():

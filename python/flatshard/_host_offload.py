@@ -70,10 +70,9 @@ def _roots(units: list[nn.Module]) -> list[nn.Module]:
     return [u for u in units if id(u) not in inner]
 
 
-def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -> None:
-    """Moves one unit's flat shard and its gradient to ``device`` (between iterations)."""
-    root = s.root
-    if root is not None and root.in_iteration:
+def check_movable(s: UnitState) -> None:
+    """Raises unless the unit's shard may move now: between iterations, nothing accumulated unreduced."""
+    if s.root is not None and s.root.in_iteration:
         raise RuntimeError(
             f"flatshard: unit '{s.label}': its shard cannot move during a forward/backward iteration; move the "
             f"shards between steps (after the optimizer step, or after a no-grad forward).")
@@ -81,6 +80,12 @@ def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -
         raise RuntimeError(
             f"flatshard: unit '{s.label}' holds a gradient accumulated inside no_sync() that is not reduced yet; "
             f"move the shards after the backward outside no_sync() (and the optimizer step).")
+
+
+def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -> None:
+    """Moves one unit's flat shard and its gradient to ``device`` (between iterations)."""
+    root = s.root
+    check_movable(s)
     if s.handle.state != _C.ShardedState.SHARDED:
         reshard(s)
     flat = s.flat_param

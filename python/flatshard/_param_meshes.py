@@ -15,7 +15,11 @@ placements, local rows) and is reduced over the same group, so training is the s
 there, or by the runtime's implicit prefetch, not beside the block's; a block prefetched explicitly
 (``set_modules_to_forward_prefetch``, as torchtitan sets under EP) takes its units along. A parameter of another mesh
 that no such submodule holds alone (held by the block itself, or beside parameters of the call's mesh in one
-submodule) is refused by name, as a mesh given under ``dp_mesh_dims`` (torch's SPMD path) is.
+submodule), or that two such submodules share, is refused by name before any unit is made, as a mesh given under
+``dp_mesh_dims`` (torch's SPMD path) is. A container with no forward (an ``nn.ModuleList`` of experts) gives each
+member a unit. The FSDPModule methods of the block (its setters, ``unshard``, ``reshard``) act on these units too, as
+torch's act on all of a state's parameter groups; ``set_all_reduce_hook`` is refused with torch's error for several
+groups.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def shard_apart(modules: list[nn.Module], mesh: Any, shard_placement_fn: Callabl
                 fully_shard: Callable, **kwargs: Any) -> list[nn.Module]:
     """Makes the units of the parameters ``shard_placement_fn`` puts on other meshes than ``mesh`` (see the Note);
     ``kwargs``: the call's other arguments, given to each. Returns their modules."""
-    if shard_placement_fn is None or mesh is None:
+    if shard_placement_fn is None:
         return []
     ignored = set(ignored_params or ())
     others: dict[int, tuple[Any, set[int]]] = {}  # id of the other mesh -> (its mesh, its parameters' ids)
@@ -49,21 +53,31 @@ def shard_apart(modules: list[nn.Module], mesh: Any, shard_placement_fn: Callabl
                                           f"own under dp_mesh_dims (torch's SPMD path); flatshard supports that "
                                           f"without dp_mesh_dims only.")
             others.setdefault(id(other), (other, set()))[1].add(id(p))
-    made = []
+    plan = []  # (mesh, its submodules): every refusal made before any unit is
+    claimed: dict[int, nn.Module] = {}  # id of a parameter -> the submodule whose unit takes it
     for other, ids in others.values():
         apart = [s for m in modules for s in _largest_holding_only(m, ids, ignored)]
-        held = {id(p) for s in apart for p in _own(s, ignored)}
+        for sub in apart:
+            for name, p in sub.named_parameters(remove_duplicate=False):
+                if claimed.setdefault(id(p), sub) is not sub:  # (tied across two such submodules)
+                    raise NotImplementedError(
+                        f"fully_shard: parameter '{name}' of {type(sub).__name__}, on a mesh of its own ({other}), is "
+                        f"also registered on {type(claimed[id(p)]).__name__}; flatshard makes such parameters a unit "
+                        f"of their own per submodule: call fully_shard([those submodules], mesh=...) first.")
         for m in modules:
             for name, p in m.named_parameters():
-                if id(p) in ids and id(p) not in held:
+                if id(p) in ids and id(p) not in claimed:
                     raise NotImplementedError(
                         f"fully_shard: shard_placement_fn gives parameter '{name}' of {type(m).__name__} a mesh of "
                         f"its own ({other}); flatshard makes such parameters a unit of their own, of a submodule that "
                         f"holds only parameters on that mesh, and '{name}' is held by the module given or beside "
                         f"parameters on the call's mesh: move it into such a submodule, or call fully_shard on that "
                         f"submodule with mesh= first.")
-        for s in apart:
-            fully_shard(s, mesh=other, shard_placement_fn=lambda p, fn=shard_placement_fn: _placement(fn(p)),
+        plan.append((other, apart))
+    made = []
+    for other, apart in plan:
+        for sub in apart:
+            fully_shard(sub, mesh=other, shard_placement_fn=lambda p, fn=shard_placement_fn: _placement(fn(p)),
                         ignored_params=ignored_params, **kwargs)
         made += apart
     return made
@@ -74,11 +88,13 @@ def _own(module: nn.Module, ignored: set) -> list[nn.Parameter]:
 
 
 def _largest_holding_only(module: nn.Module, ids: set[int], ignored: set) -> list[nn.Module]:
-    """The largest submodules of ``module`` (itself excluded) whose parameters are all in ``ids``."""
+    """The largest submodules of ``module`` (itself excluded) whose parameters are all in ``ids``; a container with no
+    forward of its own (an ``nn.ModuleList`` of experts) gives its members instead (fully_shard refuses it)."""
     out = []
     for child in module.children():
         params = _own(child, ignored)
-        if params and all(id(p) in ids for p in params):
+        container = isinstance(child, (nn.ModuleList, nn.ModuleDict)) and type(child).forward is nn.Module.forward
+        if params and all(id(p) in ids for p in params) and not container:
             out.append(child)
         elif any(id(p) in ids for p in params):
             out += _largest_holding_only(child, ids, ignored)
