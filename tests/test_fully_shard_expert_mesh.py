@@ -52,7 +52,20 @@ class _Block(nn.Module):
         return x + self.experts(self.router(x))
 
 
-def _trained(rank: int, world_size: int, impl: str, dim: int) -> dict:
+class _ListedExperts(nn.Module):
+    """HF's layout (Mixtral, Qwen2-MoE): the experts an ``nn.ModuleList`` of modules, a container with no forward."""
+
+    def __init__(self, ep_mesh: Any) -> None:
+        super().__init__()
+        self.router = nn.Linear(6, 6)
+        self.experts = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.router(x)
+        return x + sum(torch.tanh(e(h)) for e in self.experts)
+
+
+def _trained(rank: int, world_size: int, impl: str, dim: int, variant: str = "") -> dict:
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     from torch.distributed.tensor import Shard
@@ -63,7 +76,8 @@ def _trained(rank: int, world_size: int, impl: str, dim: int) -> dict:
         from torch.distributed.fsdp import fully_shard
     dense, edp, ep = _meshes(world_size)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 6), _Block(ep), _Block(ep), nn.Linear(6, 3))
+    block_cls = _ListedExperts if variant == "listed_experts" else _Block
+    model = nn.Sequential(nn.Linear(6, 6), block_cls(ep), block_cls(ep), nn.Linear(6, 3))
     edp_info, dense_info = _get_mesh_info(edp), _get_mesh_info(dense)
     for block in (model[1], model[2]):
         experts = set(block.experts.parameters())
@@ -75,11 +89,17 @@ def _trained(rank: int, world_size: int, impl: str, dim: int) -> dict:
 
         fully_shard(block, mesh=dense, shard_placement_fn=placement)
     fully_shard(model, mesh=dense)
+    if variant == "divided_by_3_on_blocks":  # (set on the blocks and the root only: torch's reaches every group)
+        for m in (model, model[1], model[2]):
+            m.set_force_sum_reduction_for_comms(True)
+            m.set_gradient_divide_factor(3.0)
     # torchtitan's explicit prefetch under EP (each block gathers the next in forward, the previous in backward)
     model[1].set_modules_to_forward_prefetch([model[2]])
     model[2].set_modules_to_backward_prefetch([model[1]])
-    if impl == "flatshard":  # (the experts' unit goes along with its block)
+    if impl == "flatshard" and not variant:  # (the experts' unit goes along with its block)
         assert model[1]._unit_state.forward_prefetch_to == [model[2]._unit_state, model[2].experts._unit_state]
+    with pytest.raises(ValueError, match="set_all_reduce_hook is not supported with multiple param groups"):
+        model[1].set_all_reduce_hook(lambda _: None)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     out: dict = {"losses": []}
     for step in range(3):
@@ -95,8 +115,12 @@ def _trained(rank: int, world_size: int, impl: str, dim: int) -> dict:
     return out
 
 
+VARIANTS = ((0, ""), (1, ""), (0, "divided_by_3_on_blocks"), (0, "listed_experts"))
+
+
 def _all(rank: int, world_size: int) -> dict:
-    out = {(impl, dim): _trained(rank, world_size, impl, dim) for dim in (0, 1) for impl in ("torch", "flatshard")}
+    out = {(impl, dim, variant): _trained(rank, world_size, impl, dim, variant)
+           for dim, variant in VARIANTS for impl in ("torch", "flatshard")}
     _refusal(world_size)
     return out
 
@@ -119,19 +143,20 @@ def _refusal(world_size: int) -> None:
 
 
 def test_experts_on_a_mesh_of_their_own_train_as_torch():
-    """W = 4: dense dp 4, experts efsdp 2 x ep 2; the experts sharded on dim 0 and on dim 1. Losses, every gradient's
-    and parameter's local tensor, each parameter's placements and mesh equal to torch's (rtol 1e-6: gloo's sums)."""
+    """W = 4: dense dp 4, experts efsdp 2 x ep 2; the experts sharded on dim 0 and on dim 1; a divide factor set on the
+    blocks (which torch's applies to the experts too); HF's ModuleList of experts. Losses, every gradient's and
+    parameter's local tensor, each parameter's placements and mesh equal to torch's (rtol 1e-6: gloo's sums)."""
     from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_all, 4, timeout=240)):
-        for dim in (0, 1):
-            want, have = out["torch", dim], out["flatshard", dim]
-            assert have["losses"] == pytest.approx(want["losses"], rel=1e-6), (rank, dim)
+        for dim, variant in VARIANTS:
+            want, have = out["torch", dim, variant], out["flatshard", dim, variant]
+            assert have["losses"] == pytest.approx(want["losses"], rel=1e-6), (rank, dim, variant)
             assert list(have["grads"]) == list(want["grads"]), (rank, list(have["grads"]))
             for name in want["grads"]:
                 torch.testing.assert_close(have["grads"][name], want["grads"][name], rtol=1e-6, atol=1e-7,
-                                           msg=f"rank {rank} dim {dim}: gradient of {name}")
+                                           msg=f"rank {rank} dim {dim} {variant}: gradient of {name}")
                 local, placements, names = have["params"][name]
-                assert (placements, names) == want["params"][name][1:], (rank, dim, name, placements, names)
+                assert (placements, names) == want["params"][name][1:], (rank, dim, variant, name, placements, names)
                 torch.testing.assert_close(local, want["params"][name][0], rtol=1e-6, atol=1e-7,
-                                           msg=f"rank {rank} dim {dim}: {name}")
+                                           msg=f"rank {rank} dim {dim} {variant}: {name}")
