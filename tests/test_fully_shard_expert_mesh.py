@@ -1,7 +1,7 @@
 """``shard_placement_fn`` giving some parameters a mesh of their own (``ShardPlacementResult(placement, mesh_info)``),
 torchtitan's expert parallelism (``torchtitan/distributed/fsdp.py``, EP > 1): a block's routed experts, DTensors over
 the EP mesh, sharded over the expert-data-parallel mesh, the block's other parameters over the dense one; against
-torch's FSDP2 on the same script. See [Note: Parameters on a mesh of their own] in python/flatshard/_fully_shard.py.
+torch's FSDP2 on the same script. See [Note: Parameters on a mesh of their own] in python/flatshard/_param_meshes.py.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def _forward_method(rank: int, world_size: int) -> dict:
 
 
 def test_register_fsdp_forward_method_as_torch():
-    """torch's own function wraps a flatshard module's method (see [Note: Forward methods] in _fully_shard.py): the
+    """torch's own function wraps a flatshard module's method (see [Note: Forward methods] in _fsdp_module.py): the
     same values as torch's FSDP2, and training after it is unchanged."""
     from flatshard.testing import run_distributed
 

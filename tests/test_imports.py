@@ -67,7 +67,8 @@ RUNTIME = ("_config", "_state", "_construction", "_runtime", "_full_params", "_c
            "_comm_hooks", "_rank_guard", "_stall_watch", "_guard_links", "_exit", "_profiling", "_common",
            "_broadcast", "_stale_optimizer", "_dtensor_params", "_wakeup", "_tensor_parallel", "_prefetch")
 FRONT_ENDS = ("flatshard.fully_sharded_data_parallel", "flatshard._fsdp1_config", "flatshard._torch_facade",
-              "flatshard._fully_shard", "flatshard._fsdp2_config", "flatshard._param_meshes")
+              "flatshard._fully_shard", "flatshard._fsdp_module", "flatshard._fsdp2_config",
+              "flatshard._param_meshes")
 # torch's names every layer shares (enums, configs, policies) and the package's entry.
 SHARED = ("__init__", "api", "wrap")
 

@@ -34,7 +34,7 @@ _LAZY = {
     "ProcessGroupGivenUpError": "flatshard._stall_watch",
     "FullyShardedDataParallel": "flatshard.fully_sharded_data_parallel",
     "FSDP": "flatshard.fully_sharded_data_parallel",
-    "FSDPModule": "flatshard._fully_shard",
+    "FSDPModule": "flatshard._fsdp_module",
     "fully_shard": "flatshard._fully_shard",
     "move_shards_to_device": "flatshard._host_offload",
     "move_shards_to_host": "flatshard._host_offload",
@@ -42,7 +42,8 @@ _LAZY = {
 
 if TYPE_CHECKING:  # (what the names are, for type checkers and editors)
     from flatshard import _C, api, plan, wrap  # noqa: F401
-    from flatshard._fully_shard import FSDPModule, fully_shard  # noqa: F401
+    from flatshard._fsdp_module import FSDPModule  # noqa: F401
+    from flatshard._fully_shard import fully_shard  # noqa: F401
     from flatshard._host_offload import move_shards_to_device, move_shards_to_host  # noqa: F401
     from flatshard._rank_guard import RankDivergenceError  # noqa: F401
     from flatshard._stall_watch import PeerGoneError, ProcessGroupGivenUpError  # noqa: F401

@@ -554,7 +554,7 @@ def frees_after_forward(s: UnitState) -> bool:
 def reshards_after_forward(s: UnitState) -> bool:
     """Whether a forward of the unit ends by freeing its parameters (the root keeps them for the backward that
     starts there, unless its front-end says otherwise); also what a registered forward method ends with (see
-    [Note: Forward methods] in _fully_shard.py)."""
+    [Note: Forward methods] in _fsdp_module.py)."""
     return frees_after_forward(s) and (not s.is_root or s.config.root_reshards_after_forward)
 
 

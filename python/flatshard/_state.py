@@ -144,7 +144,7 @@ class UnitState:
         "forward_call",  # fully_shard: what its forward pre-hook hands its forward hook: (_runtime.ForwardCall,
         # the exception the caller was handling then, or None)
         "in_forward_method",  # fully_shard: inside a method torch's register_fsdp_forward_method wraps (see [Note:
-        # Forward methods] in _fully_shard.py), whose own forwards are part of its call
+        # Forward methods] in _fsdp_module.py), whose own forwards are part of its call
         "nested_forwards",  # how many of those forwards are running now
         "method_ran_forward",  # whether one ran during the method's call (the root then reshards after it, as torch's)
         "dim0_rows",  # fully_shard: where each parameter's rows are in the shard (_dtensor_params._rows)
