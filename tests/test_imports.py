@@ -62,7 +62,8 @@ def test_the_planners_command_line_refuses_before_importing_torch():
 
 # The runtime layer (DESIGN.md's "Layers"): what either front-end hands modules to. It imports nothing of a
 # front-end (the FullyShardedDataParallel class's module, torch's facade), except for type annotations.
-RUNTIME = ("_config", "_state", "_construction", "_runtime", "_full_params", "_clip_grad_norm", "_host_offload", "_state_dict",
+RUNTIME = ("_config", "_state", "_construction", "_runtime", "_backward", "_full_params", "_clip_grad_norm",
+           "_host_offload", "_state_dict",
            "_sharded_state_dict", "_state_dict_load", "_optim_state_dict", "_mixed_precision", "_orig_params",
            "_comm_hooks", "_rank_guard", "_stall_watch", "_guard_links", "_exit", "_profiling", "_common",
            "_broadcast", "_stale_optimizer", "_dtensor_params", "_wakeup", "_tensor_parallel", "_prefetch")

@@ -324,7 +324,7 @@ def test_autograd_grad_inside_a_checkpointed_frozen_backbone_trains_as_one_proce
 def test_autograd_grad_inside_the_forward_trains_as_torch():
     """Issue 35, item 8: a forward that differentiates (forces from the energy, create_graph=True) through units
     whose forward is over; flatshard ended the iteration there (an internal error at the root's end of forward).
-    See [Note: A backward inside the forward]."""
+    See [Note: A backward inside the forward] in python/flatshard/_backward.py."""
     for (t_losses, t_params), (f_losses, f_params) in zip(
             run_distributed(_force_field, 2, "torch", "plain", timeout=60),
             run_distributed(_force_field, 2, "flatshard", "plain", timeout=60)):

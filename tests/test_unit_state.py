@@ -36,7 +36,7 @@ from models import Block, gpt_loss, local_slice, make_batch, make_gpt
 def _counting_crossings():
     """Yields {(phase, unit name): crossings} for the hooks run inside the context: every method,
     property and function of ``flatshard._C`` is replaced by a counting wrapper meanwhile."""
-    from flatshard import _C, _runtime
+    from flatshard import _C, _backward, _runtime
 
     counts: collections.Counter = collections.Counter()
     stack: list[tuple[str, str]] = []
@@ -72,15 +72,16 @@ def _counting_crossings():
                 stack.pop()
         return wrapper
 
-    originals = {name: getattr(_runtime, name) for name in ("forward", "pre_backward", "post_backward")}
-    _runtime.forward = counted("forward", originals["forward"], lambda unit, *_: unit._unit_state.name)
-    _runtime.pre_backward = counted("pre-backward", originals["pre_backward"], lambda s, *_: s.name)
-    _runtime.post_backward = counted("post-backward", originals["post_backward"], lambda s, *_: s.name)
+    originals = [(_runtime, "forward", _runtime.forward), (_backward, "pre_backward", _backward.pre_backward),
+                 (_backward, "post_backward", _backward.post_backward)]
+    _runtime.forward = counted("forward", _runtime.forward, lambda unit, *_: unit._unit_state.name)
+    _backward.pre_backward = counted("pre-backward", _backward.pre_backward, lambda s, *_: s.name)
+    _backward.post_backward = counted("post-backward", _backward.post_backward, lambda s, *_: s.name)
     try:
         yield counts
     finally:
-        for name, fn in originals.items():
-            setattr(_runtime, name, fn)
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
         for owner, name, attr in replaced:
             setattr(owner, name, attr)
 
@@ -118,7 +119,7 @@ def test_crossings_into_cpp_per_unit_per_step(backward_prefetch, forward_prefetc
 
 def _training_states(rank, world_size):
     from flatshard import FullyShardedDataParallel as FSDP
-    from flatshard import _runtime
+    from flatshard import _backward, _runtime
     from flatshard._state import TrainingState
 
     model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
@@ -135,9 +136,9 @@ def _training_states(rank, world_size):
             return out
         return wrapper
 
-    originals = {name: getattr(_runtime, name) for name in ("pre_backward", "post_backward")}
-    _runtime.pre_backward = after("after pre-backward", originals["pre_backward"])
-    _runtime.post_backward = after("after post-backward", originals["post_backward"])
+    originals = {name: getattr(_backward, name) for name in ("pre_backward", "post_backward")}
+    _backward.pre_backward = after("after pre-backward", originals["pre_backward"])
+    _backward.post_backward = after("after post-backward", originals["post_backward"])
     try:
         seen.append(("before", state.training_state))
         loss = gpt_loss(model, *local_slice(make_batch(), rank, world_size))
@@ -146,7 +147,7 @@ def _training_states(rank, world_size):
         seen.append(("after backward", state.training_state))
     finally:
         for name, fn in originals.items():
-            setattr(_runtime, name, fn)
+            setattr(_backward, name, fn)
     with FSDP.summon_full_params(model):
         seen.append(("in summon_full_params", state.training_state))
     seen.append(("after summon_full_params", state.training_state))
@@ -155,7 +156,7 @@ def _training_states(rank, world_size):
     # A hook out of turn is flatshard's bug: the one switch raises, naming the unit, the hook and the state.
     with pytest.raises(RuntimeError, match=r"unit 'blocks.1' reached its post-backward in state IDLE \(expected "
                                            r"POST_BACKWARD or PRE_BACKWARD\)"):
-        _runtime.post_backward(state, _runtime.Use(state), ())
+        _backward.post_backward(state, _runtime.Use(state), ())
     assert state.training_state is TrainingState.IDLE
     # Recomputation: activation checkpointing applied around the unit after wrapping reruns its forward in
     # backward, where the unit is in PRE_BACKWARD (its gradients come next).
@@ -177,11 +178,11 @@ def test_every_hook_that_moves_the_training_state_switches_it_through_the_table(
     import inspect
     import re
 
-    from flatshard import _full_params, _runtime
+    from flatshard import _backward, _fsdp_module, _full_params, _runtime
     from flatshard._state import TRANSITIONS, TrainingState, UnitState
     from flatshard._torch_facade import attributes
 
-    sources = "".join(inspect.getsource(m) for m in (_runtime, _full_params, attributes))
+    sources = "".join(inspect.getsource(m) for m in (_runtime, _backward, _fsdp_module, _full_params, attributes))
     assert not re.search(r"training_state\s*=[^=]", sources), "a training state set outside UnitState.switch"
     assert set(re.findall(r'\.switch\("([^"]+)"\)', sources)) == set(TRANSITIONS)
     state = UnitState("blocks.0", torch.nn.Linear(1, 1), None, torch.device("cpu"))  # (no config needed here)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle
 
-from flatshard import _dtensor_params, _fsdp2_config, _host_offload, _orig_params, _runtime
+from flatshard import _backward, _dtensor_params, _fsdp2_config, _host_offload, _orig_params, _runtime
 from flatshard._common import is_unit
 from flatshard._mixed_precision import cast_floating
 from flatshard._state import TrainingState, UnitState
@@ -364,7 +364,7 @@ class FSDPModule(TorchFSDPModule):
         if root is None:
             return
         if root.final_callback_queued:
-            _runtime.abort_backward(root)
+            _backward.abort_backward(root)
         for unit in root.units:
             us = unit._unit_state
             us.forward_call = None

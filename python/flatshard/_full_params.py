@@ -28,7 +28,8 @@ from torch import nn
 from flatshard import _C, _orig_params, _rank_guard
 from flatshard._common import FLAT_PARAM, UsageError, fsdp_modules, in_backward, is_unit
 from flatshard._profiling import collective_range
-from flatshard._runtime import abort_backward, lazy_init, reshard
+from flatshard._backward import abort_backward
+from flatshard._runtime import lazy_init, reshard
 from flatshard._state import TrainingState, UnitState
 
 if TYPE_CHECKING:

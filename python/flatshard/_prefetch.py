@@ -1,8 +1,8 @@
 """What is gathered ahead of its use: the forward and backward prefetch, the small units gathered together with a
 prefetched one, and fully_shard's explicit prefetch lists.
 
-The runtime's pre-forward and pre-backward (``_runtime.py``) ask here which unit to prefetch and which others come
-along, then issue them; what the scheduler does with them is in csrc/flatshard/scheduler.h ([Note: Small units
+The runtime's pre-forward and pre-backward (``_runtime.py``, ``_backward.py``) ask here which unit to prefetch and
+which others come along, then issue them; what the scheduler does with them is in csrc/flatshard/scheduler.h ([Note: Small units
 gathered together]).
 """
 

@@ -301,7 +301,7 @@ class RootState:
         "recompute_order",  # the same, for a rerun of the whole model (see [Note: Recomputation])
         "recomputing",  # the whole model is being rerun
         "inner_gathered",  # units a backward inside the forward gathered, to free at its end (see [Note: A backward
-        # inside the forward] in _runtime.py)
+        # inside the forward] in _backward.py)
         "taken_over",  # another root took some of its units over (see _runtime.lazy_init)
         "shards_on_host",  # the shards were moved to host memory (see [Note: Shards on the host])
         "__weakref__",  # (the exit drain holds roots weakly)

@@ -12,9 +12,9 @@ stage's module (``state._state_ctx.all_states``, ``._fsdp_param_groups``), then 
 ``PipelinedState`` there instead (``register``), which answers those names and nothing else (pipelining's module
 keeps torch's ``fully_shard`` under the opt-in too, whose ``.state`` reads that place; flatshard's own
 ``fully_shard.state`` reads it as well):
-- a group's ``post_backward()``: the unit's pending gradient reduced (``_runtime.reduce_pending``) and the unit
+- a group's ``post_backward()``: the unit's pending gradient reduced (``_backward.reduce_pending``) and the unit
   resharded, as torch's group does;
-- ``_root_post_backward_final_callback()``: the root's end of backward (``_runtime.finish_backward``): the
+- ``_root_post_backward_final_callback()``: the root's end of backward (``_backward.finish_backward``): the
   reductions completed, the gradients handed out as the parameters' ``.grad``, every unit resharded.
 So the stage's gradients are the same as torch's FSDP2 gives (tests/test_fully_shard_pipelining.py). Only the
 module's own ``__dict__`` is touched, only on modules flatshard's ``fully_shard`` made; any other attribute raises,
@@ -77,12 +77,12 @@ class PipelinedState:
         return [_ParamGroup(s)] if s.handle is not None else []
 
     def _root_post_backward_final_callback(self) -> None:
-        from flatshard import _runtime
+        from flatshard import _backward, _runtime
 
         root = _runtime.require_root(self._module, "FSDP's final callback runs on the root FSDP module only")
         if root.final_callback_queued:  # inside a backward: its end runs it
             return
-        _runtime.finish_backward(root)
+        _backward.finish_backward(root)
 
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
@@ -108,12 +108,12 @@ class _ParamGroup:
         self._state = state
 
     def post_backward(self, *_unused: Any) -> None:
-        from flatshard import _runtime
+        from flatshard import _backward, _runtime
 
         s = self._state
         if s.root is None or s.root.final_callback_queued:  # (never ran; inside a backward its own post-backward runs)
             return
-        _runtime.reduce_pending(s)
+        _backward.reduce_pending(s)
         if s.reshards_after_backward and not s.holds_unsharded:
             _runtime.reshard(s)
 
