@@ -128,7 +128,10 @@ def refuse_split_backward_caller(module: nn.Module) -> None:
     backward fails in its own code (a KeyError on flatshard's views' node, or a gradient of another parameter's size)
     or, where it would not, trains without those gradients (see the Note). One frame read, in a call made once a
     backward."""
-    caller = sys._getframe(2)  # (its caller's caller: set_requires_gradient_sync's)
+    try:
+        caller = sys._getframe(2)  # (its caller's caller: set_requires_gradient_sync's)
+    except ValueError:  # (called from C, with no Python caller)
+        return
     if caller.f_code.co_name == "backward_maybe_with_nosync" and caller.f_locals.get("backward_type") in ("input",
                                                                                                            "weight"):
         raise NotImplementedError(
