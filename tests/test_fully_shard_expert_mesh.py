@@ -112,6 +112,13 @@ def _trained(rank: int, world_size: int, impl: str, dim: int, variant: str = "")
         opt.zero_grad()
     out["params"] = {n: (p.to_local().detach().clone(), str(p.placements), p.device_mesh.mesh_dim_names)
                      for n, p in model.named_parameters()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    # (a data path: the full model and optimizer state dicts, gathered over both meshes)
+    full = StateDictOptions(full_state_dict=True)
+    out["state_dict"] = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
+    out["optim_state"] = {f"{k}.{name}": v.clone() for k, state in get_optimizer_state_dict(model, opt, options=full)[
+        "state"].items() for name, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
     return out
 
 
@@ -145,7 +152,8 @@ def _refusal(world_size: int) -> None:
 def test_experts_on_a_mesh_of_their_own_train_as_torch():
     """W = 4: dense dp 4, experts efsdp 2 x ep 2; the experts sharded on dim 0 and on dim 1; a divide factor set on the
     blocks (which torch's applies to the experts too); HF's ModuleList of experts. Losses, every gradient's and
-    parameter's local tensor, each parameter's placements and mesh equal to torch's (rtol 1e-6: gloo's sums)."""
+    parameter's local tensor, each parameter's placements and mesh, the full model and optimizer state dicts equal to
+    torch's (rtol 1e-6: gloo's sums)."""
     from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_all, 4, timeout=240)):
@@ -160,3 +168,8 @@ def test_experts_on_a_mesh_of_their_own_train_as_torch():
                 assert (placements, names) == want["params"][name][1:], (rank, dim, variant, name, placements, names)
                 torch.testing.assert_close(local, want["params"][name][0], rtol=1e-6, atol=1e-7,
                                            msg=f"rank {rank} dim {dim} {variant}: {name}")
+            for kind in ("state_dict", "optim_state"):
+                assert list(have[kind]) == list(want[kind]), (rank, dim, variant, kind, list(have[kind]))
+                for key in want[kind]:
+                    torch.testing.assert_close(have[kind][key], want[kind][key], rtol=1e-6, atol=1e-7,
+                                               msg=f"rank {rank} dim {dim} {variant}: {kind} {key}")
