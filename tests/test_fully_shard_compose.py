@@ -36,7 +36,7 @@ class _Model(nn.Module):
 CONFIGS = ("1f,1r", "1r,1f", "1r1f,1f", "1f1f,1r1r,1f")
 
 
-def _trained(rank: int, impl: str, config: str) -> list[float]:
+def _trained(rank: int, impl: str, config: str) -> dict:
     from torch.distributed._composable import replicate
 
     if impl == "flatshard":
@@ -70,7 +70,11 @@ def _trained(rank: int, impl: str, config: str) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
         losses.append(loss.item())
-    return losses
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # (a data path: the full state dict of the composed model, its keys and values)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {"losses": losses, "state_dict": {k: v.clone() for k, v in full.items()}}
 
 
 def _all(rank: int, world_size: int) -> dict:
@@ -78,13 +82,17 @@ def _all(rank: int, world_size: int) -> dict:
 
 
 def test_fully_shard_and_replicate_compose_as_torch():
-    """Losses equal to torch's (rtol 1e-6: the replicated gradients' all-reduce and the sharded ones' reduce-scatter
-    in another order). Before the registry marks: the first config failed at lazy init ("Cannot swap t1 and t2 if they
+    """Losses and the full state dict equal to torch's (rtol 1e-6: the replicated gradients' all-reduce and the sharded
+    ones' reduce-scatter in another order). Before the registry marks: the first config failed at lazy init ("Cannot swap t1 and t2 if they
     have different slots": replicate had taken the sharded child's parameters), the others sharded the replicated
     child's parameters too."""
     from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_all, 2, timeout=180)):
         for config in CONFIGS:
-            torch.testing.assert_close(out["flatshard", config], out["torch", config], rtol=1e-6, atol=0,
-                                       msg=f"rank {rank} {config}")
+            have, want = out["flatshard", config], out["torch", config]
+            torch.testing.assert_close(have["losses"], want["losses"], rtol=1e-6, atol=0, msg=f"rank {rank} {config}")
+            assert list(have["state_dict"]) == list(want["state_dict"]), (rank, config, list(have["state_dict"]))
+            for key, value in want["state_dict"].items():
+                torch.testing.assert_close(have["state_dict"][key], value, rtol=1e-6, atol=1e-7,
+                                           msg=f"rank {rank} {config}: {key}")
