@@ -83,9 +83,9 @@ def _all(rank: int, world_size: int) -> dict:
 
 def test_fully_shard_and_replicate_compose_as_torch():
     """Losses and the full state dict equal to torch's (rtol 1e-6: the replicated gradients' all-reduce and the sharded
-    ones' reduce-scatter in another order). Before the registry marks: the first config failed at lazy init ("Cannot swap t1 and t2 if they
-    have different slots": replicate had taken the sharded child's parameters), the others sharded the replicated
-    child's parameters too."""
+    ones' reduce-scatter in another order). Before the registry marks: the first config failed at lazy init ("Cannot
+    swap t1 and t2 if they have different slots": replicate had taken the sharded child's parameters), the others
+    sharded the replicated child's parameters too."""
     from flatshard.testing import run_distributed
 
     for rank, out in enumerate(run_distributed(_all, 2, timeout=180)):
