@@ -56,7 +56,8 @@ def shard_apart(modules: list[nn.Module], mesh: Any, shard_placement_fn: Callabl
     plan = []  # (mesh, its submodules): every refusal made before any unit is
     claimed: dict[int, nn.Module] = {}  # id of a parameter -> the submodule whose unit takes it
     for other, ids in others.values():
-        apart = [s for m in modules for s in _largest_holding_only(m, ids, ignored)]
+        # (a submodule reached twice, shared by two parents, is one unit)
+        apart = list({id(s): s for m in modules for s in _largest_holding_only(m, ids, ignored)}.values())
         for sub in apart:
             for name, p in sub.named_parameters(remove_duplicate=False):
                 if claimed.setdefault(id(p), sub) is not sub:  # (tied across two such submodules)
