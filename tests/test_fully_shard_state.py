@@ -146,6 +146,19 @@ def _shards_moved(rank: int, world_size: int) -> tuple[list[float], list[float],
             _runtime.after_shard_cast(s)
     follows = all(_on_the_shard(unit._unit_state) for unit in units)
     losses += _steps(model, opt, range(2, 4), rank, world_size)
+    # No shard moves during an iteration, nor with a gradient accumulated unreduced; every unit is checked before any
+    # moves (_host_offload.move_shards), so a refusal leaves every shard where it was.
+    tokens, targets = local_slice(make_batch(batch=8, seq=SEQ, vocab=VOCAB, seed=9), rank, world_size)
+    loss = gpt_loss(model, tokens, targets)
+    with pytest.raises(RuntimeError, match=r"its shard cannot move during a forward/backward iteration"):
+        flatshard.move_shards_to_host(model, opt)
+    loss.backward()
+    opt.zero_grad()
+    model.set_requires_gradient_sync(False)
+    gpt_loss(model, tokens, targets).backward()
+    with pytest.raises(RuntimeError, match=r"holds a gradient accumulated inside no_sync\(\) that is not reduced yet"):
+        flatshard.move_shards_to_host(model, opt)
+    model.set_requires_gradient_sync(True)
     reference = _build("torch", "reshard_after_forward=None")
     return losses, _steps(reference, torch.optim.Adam(reference.parameters(), lr=LR), range(4), rank, world_size), follows
 

@@ -401,13 +401,9 @@ class FSDPModule(TorchFSDPModule):
                 moves.append((s, probe.device))
             if probe.dtype != shard.dtype:
                 casts.append((s, probe.dtype))
-        if moves:  # (set up first, as a forward would, so that the root knows where its shards are; every unit
-            if self._unit_state.is_root is None:  # checked before any moves: see [Note: Shards on the host])
-                _runtime.lazy_init(_outermost_unit_around(self))
-            for s, _ in moves:
-                _host_offload.check_movable(s)
-        for s, device in moves:
-            _host_offload.move_shard(s, device)
+        if moves and self._unit_state.is_root is None:  # (set up first, as a forward would, so that the root knows
+            _runtime.lazy_init(_outermost_unit_around(self))  # where its shards are: see [Note: Shards on the host])
+        _host_offload.move_shards(moves)
         for s, dtype in casts:  # (every refusal before anything changes)
             if (s.root is not None and s.root.in_iteration) or s.handle.has_unsharded_grad():
                 raise RuntimeError(f"fully_shard: {type(s.wrapped_module).__name__} cannot be cast to {dtype} during "

@@ -52,14 +52,11 @@ def _move_all(model: nn.Module, optimizer: torch.optim.Optimizer | None, to_devi
     for root in _roots(units):
         if root._unit_state.is_root is None:
             lazy_init(root)
-    moved: dict[int, torch.device] = {}  # id of a parameter the optimizer may hold -> where its shard went
-    for unit in units:
-        s = unit._unit_state
-        if s.handle is not None and not s.config.offload_params:
-            device = s.device if to_device else torch.device("cpu")
-            move_shard(s, device, non_blocking)
-            for p in [s.flat_param, *(s.orig_params if s.config.use_orig_params else [])]:
-                moved[id(p)] = device
+    moves = [(u._unit_state, u._unit_state.device if to_device else torch.device("cpu")) for u in units
+             if u._unit_state.handle is not None and not u._unit_state.config.offload_params]
+    move_shards(moves, non_blocking)
+    moved = {id(p): device  # id of a parameter the optimizer may hold -> where its shard went
+             for s, device in moves for p in [s.flat_param, *(s.orig_params if s.config.use_orig_params else [])]}
     if optimizer is not None:
         _move_optimizer_state(optimizer, moved, non_blocking)
 
@@ -80,6 +77,14 @@ def check_movable(s: UnitState) -> None:
         raise RuntimeError(
             f"flatshard: unit '{s.label}' holds a gradient accumulated inside no_sync() that is not reduced yet; "
             f"move the shards after the backward outside no_sync() (and the optimizer step).")
+
+
+def move_shards(moves: list[tuple[UnitState, torch.device]], non_blocking: bool = False) -> None:
+    """Each unit's shard to its device, every unit checked before any moves (an error leaves none moved)."""
+    for s, _ in moves:
+        check_movable(s)
+    for s, device in moves:
+        move_shard(s, device, non_blocking)
 
 
 def move_shard(s: UnitState, device: torch.device, non_blocking: bool = False) -> None:
